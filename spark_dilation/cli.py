@@ -1,0 +1,305 @@
+"""The ``spark-dilation`` command: send | receive | serve | demo.
+
+``send --text`` and ``receive`` speak the standard file-transfer v1 text
+offer, so they work with the reference ``wormhole`` CLI in both directions.
+Errors end the command with one readable line on stderr and exit code 1
+(2 for usage errors).
+"""
+
+from __future__ import annotations
+
+import argparse
+import logging
+import os
+import sys
+from collections.abc import Callable, Sequence
+from typing import Any, TextIO
+
+from twisted.internet import defer, task, threads
+
+from . import __version__
+from .errors import DilationError, TransferError
+from .transit import offers
+from .wormhole import DEFAULT_MAILBOX_URL, Wormhole
+from .wormhole.wordlist import code_completions
+
+log = logging.getLogger("spark_dilation.cli")
+
+MAILBOX_ENV = "SPARK_DILATION_MAILBOX"
+EXIT_ERROR = 1
+EXIT_USAGE = 2
+
+
+def build_parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(
+        prog="spark-dilation",
+        description="Move data peer to peer with a Magic Wormhole code.",
+    )
+    parser.add_argument("--version", action="version", version=f"%(prog)s {__version__}")
+    parser.add_argument(
+        "--mailbox",
+        metavar="URL",
+        default=os.environ.get(MAILBOX_ENV, DEFAULT_MAILBOX_URL),
+        help=f"mailbox server WebSocket URL (env {MAILBOX_ENV}; default %(default)s)",
+    )
+    parser.add_argument(
+        "--appid", default=offers.APPID, help="application id (default: the wormhole CLI's)"
+    )
+    parser.add_argument(
+        "-v", "--verbose", action="count", default=0, help="log more (-vv for debug)"
+    )
+    sub = parser.add_subparsers(dest="command", metavar="COMMAND")
+    sub.required = True
+
+    send = sub.add_parser("send", help="send a text message")
+    send.add_argument("--text", required=True, metavar="MESSAGE", help="the text to send")
+    send.add_argument("--code", help="use this code instead of asking the server for one")
+    send.add_argument(
+        "--code-length", type=int, default=2, metavar="WORDS", help="words in a new code"
+    )
+    _add_timeout(send)
+
+    receive = sub.add_parser("receive", help="receive a text message")
+    receive.add_argument("code", nargs="?", help="the code (asked for if omitted)")
+    _add_timeout(receive)
+
+    serve = sub.add_parser("serve", help="run a mailbox server and transit relay in the foreground")
+    serve.add_argument("--interface", default="127.0.0.1", help="address to listen on")
+    serve.add_argument("--mailbox-port", type=int, default=4000)
+    serve.add_argument("--relay-port", type=int, default=4001)
+    serve.add_argument("--motd", help="message of the day shown to clients")
+    serve.add_argument("--disallow-list", action="store_true", help="refuse to list nameplates")
+
+    sub.add_parser("demo", help="start embedded servers and run a transfer end to end")
+    return parser
+
+
+def _add_timeout(p: argparse.ArgumentParser) -> None:
+    p.add_argument(
+        "--timeout",
+        type=float,
+        default=None,
+        metavar="SECONDS",
+        help="give up if the other side has not used the code by then (default: wait)",
+    )
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    args = build_parser().parse_args(argv)
+    setup_logging(args.verbose)
+    if args.command == "serve":
+        from .servers import run_foreground
+
+        return run_foreground(
+            interface=args.interface,
+            mailbox_port=args.mailbox_port,
+            relay_port=args.relay_port,
+            motd=args.motd,
+            allow_list=not args.disallow_list,
+        )
+    command: Callable[..., Any] = {
+        "send": send_text,
+        "receive": receive_text,
+        "demo": demo,
+    }[args.command]
+    return run_reactor(command, args)
+
+
+def setup_logging(verbosity: int) -> None:
+    """Standard logging to stderr, with Twisted's log bridged into it."""
+    from twisted.logger import STDLibLogObserver, globalLogBeginner
+
+    level = [logging.WARNING, logging.INFO, logging.DEBUG][min(verbosity, 2)]
+    logging.basicConfig(level=level, format="%(levelname)s %(name)s: %(message)s")
+    globalLogBeginner.beginLoggingTo([STDLibLogObserver()], redirectStandardIO=False)
+    if verbosity < 2:
+        # autobahn/twisted chatter is debug-level detail for us.
+        logging.getLogger("twisted").setLevel(max(level, logging.WARNING))
+
+
+def run_reactor(command: Callable[..., Any], args: argparse.Namespace) -> int:
+    """Run one Deferred-returning command on the reactor; map errors to exit codes."""
+    outcome: dict[str, int] = {}
+
+    @defer.inlineCallbacks
+    def runner(reactor: Any) -> Any:
+        try:
+            yield command(reactor, args, sys.stdout, sys.stderr)
+            outcome["code"] = 0
+        except DilationError as e:
+            print(f"spark-dilation: error: {e}", file=sys.stderr)
+            outcome["code"] = EXIT_ERROR
+        except ValueError as e:  # e.g. a malformed --mailbox URL
+            print(f"spark-dilation: error: {e}", file=sys.stderr)
+            outcome["code"] = EXIT_USAGE
+
+    try:
+        task.react(runner)
+    except SystemExit as e:
+        if e.code not in (0, None):
+            return int(e.code) if isinstance(e.code, int) else EXIT_ERROR
+    except KeyboardInterrupt:
+        return 130
+    return outcome.get("code", EXIT_ERROR)
+
+
+def _show_welcome(welcome: dict[str, Any], url: str, err: TextIO) -> None:
+    if "motd" in welcome:
+        print(f"Server (at {url}) says:\n {welcome['motd']}", file=err)
+
+
+@defer.inlineCallbacks
+def _open(reactor: Any, args: argparse.Namespace, err: TextIO) -> Any:
+    w = Wormhole(args.appid, args.mailbox, reactor, timeout=args.timeout)
+    try:
+        _show_welcome((yield w.get_welcome()), args.mailbox, err)
+    except DilationError:
+        yield _close_quietly(w)
+        raise
+    return w
+
+
+@defer.inlineCallbacks
+def _close_quietly(w: Wormhole) -> Any:
+    try:
+        yield w.close()
+    except DilationError:
+        pass
+
+
+@defer.inlineCallbacks
+def _finish(w: Wormhole, work: Any) -> Any:
+    """Wait for ``work``; close the wormhole either way; the first error wins."""
+    try:
+        result = yield work
+    except BaseException:
+        yield _close_quietly(w)
+        raise
+    yield w.close()
+    return result
+
+
+@defer.inlineCallbacks
+def send_text(reactor: Any, args: argparse.Namespace, out: TextIO, err: TextIO) -> Any:
+    w = yield _open(reactor, args, err)
+
+    @defer.inlineCallbacks
+    def exchange() -> Any:
+        if args.code:
+            w.set_code(args.code)
+        else:
+            w.allocate_code(args.code_length)
+        code = yield w.get_code()
+        print(f"Wormhole code is: {code}", file=err)
+        print(
+            f"On the other computer, please run:\n\nspark-dilation receive {code}\n"
+            f"   (or: wormhole receive {code})\n",
+            file=err,
+        )
+        err.flush()
+        yield w.get_verifier()
+        w.send_message(offers.text_offer(args.text))
+        while True:
+            reply = offers.parse((yield w.get_message()))
+            if isinstance(reply, offers.Answer):
+                if not reply.text_acknowledged:
+                    raise TransferError(f"the other side did not accept the text: {reply.fields}")
+                print("text message sent", file=err)
+                return
+            log.info("ignoring %r while waiting for the answer", reply)
+
+    yield _finish(w, exchange())
+
+
+@defer.inlineCallbacks
+def receive_text(reactor: Any, args: argparse.Namespace, out: TextIO, err: TextIO) -> Any:
+    w = yield _open(reactor, args, err)
+
+    @defer.inlineCallbacks
+    def exchange() -> Any:
+        code = args.code
+        if not code:
+            code = yield threads.deferToThread(_ask_for_code, reactor, w, err)
+        w.set_code(code)
+        yield w.get_verifier()
+        while True:
+            offer = offers.parse((yield w.get_message()))
+            if isinstance(offer, offers.TextOffer):
+                out.write(offer.message + "\n")
+                out.flush()
+                w.send_message(offers.text_ack())
+                return
+            if isinstance(offer, offers.UnsupportedOffer):
+                reason = f"spark-dilation cannot receive a {offer.kind} offer yet; send text"
+                w.send_message(offers.error_message(reason))
+                raise TransferError(f"the other side offered a {offer.kind}: {reason}")
+            log.info("ignoring %r while waiting for the offer", offer)
+
+    yield _finish(w, exchange())
+
+
+def _ask_for_code(reactor: Any, w: Wormhole, err: TextIO) -> str:
+    """Prompt for a code (runs in a thread); Tab completes from the wordlist."""
+    if not sys.stdin.isatty():
+        line = sys.stdin.readline().strip()
+        if not line:
+            raise DilationError("no code given: pass it as an argument or on stdin")
+        return line
+    try:
+        import readline
+    except ImportError:  # pragma: no cover - platform without readline
+        return input("Enter receive wormhole code: ").strip()
+
+    nameplates: list[str] = []
+
+    def completer(text: str, state: int) -> str | None:
+        if state == 0 and "-" not in text:
+            try:
+                found = threads.blockingCallFromThread(reactor, w.list_nameplates)
+                nameplates[:] = found
+            except Exception:  # completion must never break the prompt
+                pass
+        matches = code_completions(text, nameplates)
+        return matches[state] if state < len(matches) else None
+
+    readline.set_completer_delims(" \t\n")
+    readline.set_completer(completer)
+    readline.parse_and_bind("tab: complete")
+    print(" (Tab completes the words)", file=err)
+    return input("Enter receive wormhole code: ").strip()
+
+
+@defer.inlineCallbacks
+def demo(reactor: Any, args: argparse.Namespace, out: TextIO, err: TextIO) -> Any:
+    """Embedded mailbox + relay, then a real wormhole exchange between two clients."""
+    from .servers import start_servers
+
+    servers = yield start_servers(reactor)
+    try:
+        print(f"mailbox server: {servers.mailbox_url}", file=out)
+        print(f"transit relay:  {servers.relay_url}", file=out)
+        sender = Wormhole(offers.APPID, servers.mailbox_url, reactor, timeout=60)
+        sender.allocate_code()
+        code = yield sender.get_code()
+        print(f"sender: wormhole code is {code}", file=out)
+        receiver = Wormhole(offers.APPID, servers.mailbox_url, reactor, timeout=60)
+        receiver.set_code(code)
+        sent = "hello from spark-dilation"
+        sender.send_message(offers.text_offer(sent))
+        offer = offers.parse((yield receiver.get_message()))
+        assert isinstance(offer, offers.TextOffer)
+        receiver.send_message(offers.text_ack())
+        answer = offers.parse((yield sender.get_message()))
+        verifier = yield receiver.get_verifier()
+        print(f"receiver: got {offer.message!r} (verifier {verifier.hex()[:16]}...)", file=out)
+        print(f"sender: peer answered {getattr(answer, 'fields', answer)}", file=out)
+        yield defer.gatherResults([sender.close(), receiver.close()], consumeErrors=True)
+        if offer.message != sent:
+            raise DilationError("demo failed: the message changed on the way")
+        print("demo: OK", file=out)
+    finally:
+        yield servers.stop()
+
+
+if __name__ == "__main__":  # pragma: no cover
+    sys.exit(main())

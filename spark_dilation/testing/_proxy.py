@@ -1,0 +1,418 @@
+"""A loopback TCP forwarder that tests can stall, break and refuse."""
+
+from __future__ import annotations
+
+import contextlib
+import errno
+import logging
+import queue
+import selectors
+import socket
+import struct
+import threading
+from collections.abc import Callable
+from concurrent.futures import Future
+from types import TracebackType
+from typing import Any, TypeVar
+
+log = logging.getLogger(__name__)
+
+RECV_SIZE = 256 * 1024
+# Stop reading from one side once this much is waiting for the other side, so
+# a slow reader pushes back on the writer instead of growing our memory.
+MAX_PENDING = 4 * RECV_SIZE
+COMMAND_TIMEOUT = 30.0
+
+_READ = selectors.EVENT_READ
+_WRITE = selectors.EVENT_WRITE
+_LISTENER = object()
+_WAKEUP = object()
+
+T = TypeVar("T")
+
+
+def _abort_socket(sock: socket.socket) -> None:
+    """Close with an RST rather than a FIN."""
+    with contextlib.suppress(OSError):
+        sock.setsockopt(socket.SOL_SOCKET, socket.SO_LINGER, struct.pack("ii", 1, 0))
+    sock.close()
+
+
+def _no_delay(sock: socket.socket) -> None:
+    # Small WebSocket frames must not sit in Nagle's buffer waiting for an ACK.
+    with contextlib.suppress(OSError):
+        sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
+
+
+class _Direction:
+    """Bytes flowing from ``src`` to ``dst``."""
+
+    __slots__ = ("buf", "dst", "eof", "shut", "src")
+
+    def __init__(self, src: socket.socket, dst: socket.socket) -> None:
+        self.src = src
+        self.dst = dst
+        self.buf = bytearray()
+        self.eof = False  # src has sent FIN
+        self.shut = False  # we have passed that FIN on to dst
+
+
+class _Link:
+    """One proxied connection: the accepted client socket and our upstream socket."""
+
+    __slots__ = ("client", "closed", "connecting", "down", "masks", "up", "upstream")
+
+    def __init__(self, client: socket.socket, upstream: socket.socket, connecting: bool) -> None:
+        self.client = client
+        self.upstream = upstream
+        self.connecting = connecting
+        self.up = _Direction(client, upstream)
+        self.down = _Direction(upstream, client)
+        self.masks: dict[socket.socket, int] = {client: 0, upstream: 0}
+        self.closed = False
+
+
+class TcpProxy:
+    """Forward connections from ``127.0.0.1:<port>`` to ``target_host:target_port``.
+
+    Runs on its own thread with plain sockets, so it works for clients on any
+    event loop and in other processes. Each accepted connection gets its own
+    upstream connection; if the target refuses, the client gets a reset.
+    Control methods take effect before they return.
+    """
+
+    host = "127.0.0.1"
+
+    def __init__(self, target_host: str, target_port: int) -> None:
+        self.target_host = target_host
+        self.target_port = target_port
+        family, _, _, _, sockaddr = socket.getaddrinfo(
+            target_host, target_port, type=socket.SOCK_STREAM
+        )[0]
+        self._target_family = family
+        self._target_addr = sockaddr
+
+        self._links: set[_Link] = set()
+        self._total = 0
+        self._refused = 0
+        self._frozen = False
+        self._refusing = False
+        self._closing = False
+        self._commands: queue.SimpleQueue[tuple[Callable[[], Any], Future[Any]]] = (
+            queue.SimpleQueue()
+        )
+
+        self._listener = socket.socket(socket.AF_INET, socket.SOCK_STREAM)
+        try:
+            self._listener.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+            self._listener.bind((self.host, 0))
+            self._listener.listen(128)
+            self._listener.setblocking(False)
+            self.port: int = self._listener.getsockname()[1]
+            self._wake_r, self._wake_w = socket.socketpair()
+            self._wake_r.setblocking(False)
+            self._wake_w.setblocking(False)
+            self._selector = selectors.DefaultSelector()
+            self._selector.register(self._listener, _READ, _LISTENER)
+            self._selector.register(self._wake_r, _READ, _WAKEUP)
+        except BaseException:
+            self._listener.close()
+            raise
+        self._thread = threading.Thread(
+            target=self._run, name=f"TcpProxy-{self.port}->{target_port}", daemon=True
+        )
+        self._thread.start()
+
+    def __repr__(self) -> str:
+        return f"<TcpProxy {self.host}:{self.port} -> {self.target_host}:{self.target_port}>"
+
+    # --- public API ---------------------------------------------------------
+
+    def url(self, path: str = "/v1") -> str:
+        """A WebSocket URL through the proxy, e.g. for a mailbox server."""
+        return f"ws://{self.host}:{self.port}{path}"
+
+    def hint(self) -> str:
+        """A ``tcp:HOST:PORT`` hint through the proxy, e.g. for a transit relay."""
+        return f"tcp:{self.host}:{self.port}"
+
+    @property
+    def connection_count(self) -> int:
+        """Connections being forwarded right now."""
+        return len(self._links)
+
+    @property
+    def total_connections(self) -> int:
+        """Connections ever accepted, including the ones refused by :meth:`refuse_new`."""
+        return self._total
+
+    @property
+    def refused_connections(self) -> int:
+        """Connections closed on arrival because of :meth:`refuse_new`."""
+        return self._refused
+
+    @property
+    def frozen(self) -> bool:
+        return self._frozen
+
+    def drop_connections(self) -> int:
+        """Reset (RST) both sides of every live connection; returns how many.
+
+        The proxy keeps accepting new connections.
+        """
+        return self._call(self._drop_all)
+
+    def freeze(self) -> None:
+        """Stop moving bytes on every connection without closing any: a silent stall.
+
+        Connections accepted while frozen are stalled too, until :meth:`thaw`.
+        """
+        self._call(lambda: self._set_frozen(True))
+
+    def thaw(self) -> None:
+        """Resume forwarding, delivering whatever piled up while frozen."""
+        self._call(lambda: self._set_frozen(False))
+
+    def refuse_new(self, flag: bool = True) -> None:
+        """While ``flag`` is true, close new connections as soon as they arrive."""
+        self._call(lambda: setattr(self, "_refusing", bool(flag)))
+
+    def close(self) -> None:
+        """Reset every connection, stop listening and stop the thread. Idempotent."""
+        if self._thread.is_alive():
+            with contextlib.suppress(RuntimeError):
+                self._call(lambda: setattr(self, "_closing", True))
+            self._thread.join(COMMAND_TIMEOUT)
+
+    def __enter__(self) -> TcpProxy:
+        return self
+
+    def __exit__(
+        self,
+        exc_type: type[BaseException] | None,
+        exc: BaseException | None,
+        tb: TracebackType | None,
+    ) -> None:
+        self.close()
+
+    # --- plumbing -----------------------------------------------------------
+
+    def _call(self, fn: Callable[[], T]) -> T:
+        """Run ``fn`` on the proxy thread and wait for its result."""
+        if threading.current_thread() is self._thread:
+            return fn()
+        if self._closing or not self._thread.is_alive():
+            raise RuntimeError(f"{self!r} is closed")
+        fut: Future[T] = Future()
+        self._commands.put((fn, fut))
+        self._wake()
+        return fut.result(COMMAND_TIMEOUT)
+
+    def _wake(self) -> None:
+        # A full socketpair buffer means a wake-up is already pending.
+        with contextlib.suppress(BlockingIOError, OSError):
+            self._wake_w.send(b"\0")
+
+    def _run(self) -> None:
+        try:
+            while not self._closing:
+                for key, mask in self._selector.select():
+                    if key.data is _LISTENER:
+                        self._accept()
+                    elif key.data is _WAKEUP:
+                        self._run_commands()
+                    else:
+                        link, sock = key.data
+                        if link.closed:
+                            continue  # aborted earlier in this same batch
+                        try:
+                            self._service(link, sock, mask)
+                        except Exception:
+                            log.exception("%r: error forwarding; resetting the connection", self)
+                            self._abort(link)
+        except Exception:
+            log.exception("%r: proxy thread crashed", self)
+        finally:
+            self._shutdown()
+
+    def _run_commands(self) -> None:
+        with contextlib.suppress(BlockingIOError):
+            while self._wake_r.recv(4096):
+                pass
+        while True:
+            try:
+                fn, fut = self._commands.get_nowait()
+            except queue.Empty:
+                return
+            if not fut.set_running_or_notify_cancel():
+                continue
+            try:
+                fut.set_result(fn())
+            except BaseException as e:
+                fut.set_exception(e)
+
+    def _shutdown(self) -> None:
+        self._closing = True
+        for link in list(self._links):
+            self._abort(link)
+        self._selector.close()
+        self._listener.close()
+        self._wake_r.close()
+        self._wake_w.close()
+        # Anything queued after the loop ended must not wait forever.
+        while True:
+            try:
+                _, fut = self._commands.get_nowait()
+            except queue.Empty:
+                break
+            if fut.set_running_or_notify_cancel():
+                fut.set_exception(RuntimeError(f"{self!r} is closed"))
+
+    def _accept(self) -> None:
+        while True:
+            try:
+                client, _ = self._listener.accept()
+            except (BlockingIOError, InterruptedError):
+                return
+            except OSError as e:
+                # e.g. EMFILE: leave the connection in the backlog for later.
+                log.warning("%r: accept failed: %s", self, e)
+                return
+            self._total += 1
+            if self._refusing:
+                self._refused += 1
+                client.close()
+                continue
+            client.setblocking(False)
+            _no_delay(client)
+            upstream = socket.socket(self._target_family, socket.SOCK_STREAM)
+            upstream.setblocking(False)
+            err = upstream.connect_ex(self._target_addr)
+            if err not in (0, errno.EINPROGRESS, errno.EWOULDBLOCK):
+                _abort_socket(client)
+                upstream.close()
+                continue
+            if err == 0:
+                _no_delay(upstream)
+            link = _Link(client, upstream, connecting=err != 0)
+            self._links.add(link)
+            self._update(link)
+
+    def _service(self, link: _Link, sock: socket.socket, mask: int) -> None:
+        if link.connecting:
+            err = link.upstream.getsockopt(socket.SOL_SOCKET, socket.SO_ERROR)
+            if err:
+                self._abort(link)  # target refused or unreachable: reset the client
+                return
+            link.connecting = False
+            _no_delay(link.upstream)
+        elif not self._frozen:
+            outgoing, incoming = (
+                (link.up, link.down) if sock is link.client else (link.down, link.up)
+            )
+            if mask & _READ:
+                self._read(link, outgoing)
+            if mask & _WRITE and not link.closed:
+                self._flush(link, incoming)
+        if link.closed:
+            return
+        if link.up.shut and link.down.shut:
+            self._finish(link)
+        else:
+            self._update(link)
+
+    def _read(self, link: _Link, d: _Direction) -> None:
+        try:
+            data = d.src.recv(RECV_SIZE)
+        except (BlockingIOError, InterruptedError):
+            return
+        except OSError:
+            self._abort(link)  # a reset on one side becomes a reset on the other
+            return
+        if data:
+            d.buf += data
+        else:
+            d.eof = True
+        self._flush(link, d)
+
+    def _flush(self, link: _Link, d: _Direction) -> None:
+        while d.buf:
+            try:
+                sent = d.dst.send(d.buf)
+            except (BlockingIOError, InterruptedError):
+                return
+            except OSError:
+                self._abort(link)
+                return
+            del d.buf[:sent]
+        if d.eof and not d.shut:
+            d.shut = True
+            with contextlib.suppress(OSError):
+                d.dst.shutdown(socket.SHUT_WR)
+
+    def _update(self, link: _Link) -> None:
+        """Register interest in exactly the events that can make progress."""
+        for sock, outgoing, incoming in (
+            (link.client, link.up, link.down),
+            (link.upstream, link.down, link.up),
+        ):
+            mask = 0
+            if link.connecting:
+                mask = _WRITE if sock is link.upstream else 0
+            elif not self._frozen:
+                if not outgoing.eof and len(outgoing.buf) < MAX_PENDING:
+                    mask |= _READ
+                if incoming.buf:
+                    mask |= _WRITE
+            current = link.masks[sock]
+            if mask == current:
+                continue
+            if current == 0:
+                self._selector.register(sock, mask, (link, sock))
+            elif mask == 0:
+                self._selector.unregister(sock)
+            else:
+                self._selector.modify(sock, mask, (link, sock))
+            link.masks[sock] = mask
+
+    def _forget(self, link: _Link) -> None:
+        link.closed = True
+        self._links.discard(link)
+        for sock, mask in link.masks.items():
+            if mask:
+                self._selector.unregister(sock)
+            link.masks[sock] = 0
+
+    def _finish(self, link: _Link) -> None:
+        """Both sides have said FIN and everything was delivered."""
+        self._forget(link)
+        link.client.close()
+        link.upstream.close()
+
+    def _abort(self, link: _Link) -> None:
+        if link.closed:
+            return
+        self._forget(link)
+        _abort_socket(link.client)
+        _abort_socket(link.upstream)
+
+    def _drop_all(self) -> int:
+        links = list(self._links)
+        for link in links:
+            self._abort(link)
+        return len(links)
+
+    def _set_frozen(self, frozen: bool) -> None:
+        self._frozen = frozen
+        for link in list(self._links):
+            if not frozen and not link.connecting:
+                # Deliver what piled up, then listen again.
+                self._flush(link, link.up)
+                if not link.closed:
+                    self._flush(link, link.down)
+            if link.closed:
+                continue
+            if link.up.shut and link.down.shut:
+                self._finish(link)
+            else:
+                self._update(link)

@@ -1,0 +1,592 @@
+"""Sans-IO core of a wormhole client: mailbox protocol, PAKE, phases.
+
+``WormholeCore`` is fed events (the WebSocket connected or dropped, a frame
+arrived, the application asked for something) and returns a list of
+*events* for its owner: frames to send, results to hand to the application.
+It has no sockets, timers or reactor; the Twisted adapter in ``client.py``
+owns those.
+
+Compatibility notes (magic-wormhole 0.24):
+
+* Outbound mailbox messages stay queued until the server echoes them back
+  to us, and are sent again after a reconnect (``_mailbox.py``). Inbound
+  phases are processed once each, so replays are harmless.
+* The nameplate is released as soon as the peer's first message arrives.
+* The ``pake`` phase is plaintext; every other phase is SecretBox-encrypted
+  with a key derived from the sender's side and the phase name. The first
+  phase that decrypts confirms the key; one that does not means the codes
+  differ (or someone interfered), and both sides learn it because both send
+  a ``version`` phase.
+* Application phases are ``"0"``, ``"1"``, ... and are delivered in order;
+  ``dilate-N`` phases have their own counter and order.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import os
+import re
+from dataclasses import dataclass
+from typing import Any
+
+from .. import __version__
+from ..errors import (
+    CrowdedError,
+    LonelyError,
+    OnlyOneCodeError,
+    ServerError,
+    WelcomeError,
+    WormholeClosedError,
+    WormholeError,
+    WrongCodeError,
+)
+from . import codes
+from .keys import (
+    CryptoError,
+    Pake,
+    decrypt_data,
+    derive_phase_key,
+    derive_verifier,
+    encrypt_data,
+)
+from .messages import ProtocolError, decode_server_message, encode_client_message
+
+log = logging.getLogger(__name__)
+
+_DILATE_PHASE = re.compile(r"^dilate-(\d+)$")
+_APP_PHASE = re.compile(r"^\d+$")
+
+
+# --- events returned to the owner -------------------------------------------
+
+
+@dataclass(frozen=True)
+class SendFrame:
+    """Send this text frame on the WebSocket."""
+
+    payload: bytes
+
+
+@dataclass(frozen=True)
+class StopConnection:
+    """The wormhole is finished: close the WebSocket, do not reconnect."""
+
+
+@dataclass(frozen=True)
+class GotWelcome:
+    welcome: dict[str, Any]
+
+
+@dataclass(frozen=True)
+class GotCode:
+    code: str
+
+
+@dataclass(frozen=True)
+class GotPeer:
+    """The peer's first message arrived: the code has been used."""
+
+
+@dataclass(frozen=True)
+class GotUnverifiedKey:
+    key: bytes
+
+
+@dataclass(frozen=True)
+class GotVerifier:
+    """The key is confirmed: the peer proved it knows the same code."""
+
+    verifier: bytes
+
+
+@dataclass(frozen=True)
+class GotVersions:
+    versions: dict[str, Any]
+
+    @property
+    def app_versions(self) -> dict[str, Any]:
+        value = self.versions.get("app_versions", {})
+        return value if isinstance(value, dict) else {}
+
+
+@dataclass(frozen=True)
+class GotMessage:
+    plaintext: bytes
+
+
+@dataclass(frozen=True)
+class GotDilate:
+    plaintext: bytes
+
+
+@dataclass(frozen=True)
+class GotNameplates:
+    nameplates: tuple[str, ...]
+
+
+@dataclass(frozen=True)
+class GotPong:
+    ping: Any
+
+
+@dataclass(frozen=True)
+class Closed:
+    """The wormhole is closed. ``error`` is None after a happy close."""
+
+    error: WormholeError | None
+
+
+Event = (
+    SendFrame
+    | StopConnection
+    | GotWelcome
+    | GotCode
+    | GotPeer
+    | GotUnverifiedKey
+    | GotVerifier
+    | GotVersions
+    | GotMessage
+    | GotDilate
+    | GotNameplates
+    | GotPong
+    | Closed
+)
+
+_MOODS = {
+    WrongCodeError: "scary",
+    WelcomeError: "unwelcome",
+    LonelyError: "lonely",
+    ServerError: "errory",
+}
+
+
+def _mood_for(error: WormholeError | None, verified: bool) -> str:
+    if error is None:
+        return "happy" if verified else "lonely"
+    for kind, mood in _MOODS.items():
+        if isinstance(error, kind):
+            return mood
+    return "errory"
+
+
+class _Ordered:
+    """Deliver numbered items in order, buffering gaps."""
+
+    def __init__(self) -> None:
+        self._next = 0
+        self._held: dict[int, bytes] = {}
+
+    def add(self, number: int, item: bytes) -> list[bytes]:
+        if number >= self._next:
+            self._held[number] = item
+        ready = []
+        while self._next in self._held:
+            ready.append(self._held.pop(self._next))
+            self._next += 1
+        return ready
+
+
+class WormholeCore:
+    """One side of one wormhole, as a pure state machine.
+
+    Every public method returns the events it caused, in order.
+    """
+
+    def __init__(
+        self,
+        appid: str,
+        *,
+        versions: dict[str, Any] | None = None,
+        side: str | None = None,
+        client_version: tuple[str, str] = ("spark-dilation", __version__),
+    ) -> None:
+        self.appid = appid
+        self.side = side or os.urandom(5).hex()
+        # The plaintext of our "version" phase: {"can-dilate": ..., "app_versions": ...}.
+        self._versions = dict(versions or {"app_versions": {}})
+        self._client_version = list(client_version)
+        self._out: list[Event] = []
+
+        self.connected = False
+        self.code: str | None = None
+        self._nameplate: str | None = None
+        self._code_length: int | None = None  # set while an allocation is wanted
+        self._want_list = False
+        # None -> "claiming" -> "claimed" -> "releasing" -> "released"
+        self._claim: str | None = None
+        self._claim_sent = False
+        self.mailbox: str | None = None
+        self._mailbox_open = False  # "open" sent on the current connection
+        self._release_sent = False  # "release" sent on the current connection
+        self._mailbox_closed = False
+        self._pending: dict[str, bytes] = {}  # phase -> encrypted body, until echoed
+
+        self._pake: Pake | None = None
+        self._key: bytes | None = None
+        self.their_side: str | None = None
+        self.verified = False
+        self._processed: set[str] = set()
+        self._early_inbound: list[tuple[str, str, bytes]] = []
+        self._unsent_app: list[tuple[str, bytes]] = []  # waits for key confirmation
+        self._next_app_phase = 0
+        self._next_dilate_phase = 0
+        self._app_in = _Ordered()
+        self._dilate_in = _Ordered()
+        self._welcomed = False
+
+        self.closing = False
+        self.closed = False
+        self.result: WormholeError | None = None
+        self._mood: str | None = None
+
+    # --- helpers ---------------------------------------------------------
+
+    def _flush(self) -> list[Event]:
+        out, self._out = self._out, []
+        return out
+
+    def _tx(self, mtype: str, **fields: Any) -> None:
+        assert self.connected, mtype
+        self._out.append(SendFrame(encode_client_message(mtype, **fields)))
+
+    @property
+    def key(self) -> bytes | None:
+        return self._key
+
+    # --- connection events -------------------------------------------------
+
+    def connection_made(self) -> list[Event]:
+        """The WebSocket is open (first time or after a reconnect)."""
+        if self.closed:
+            return []
+        self.connected = True
+        self._mailbox_open = False
+        self._release_sent = False
+        self._tx("bind", appid=self.appid, side=self.side, client_version=self._client_version)
+        if self.closing:
+            self._send_close_requests()
+            self._maybe_finish()
+            return self._flush()
+        if self._code_length is not None:
+            self._tx("allocate")
+        if self._want_list:
+            self._tx("list")
+        if self._claim == "claiming":
+            self._send_claim()
+        elif self._claim == "releasing":
+            self._send_release()
+        if self.mailbox is not None:
+            self._open_mailbox()
+        return self._flush()
+
+    def connection_lost(self) -> list[Event]:
+        """The WebSocket dropped; the owner reconnects and calls connection_made."""
+        self.connected = False
+        self._mailbox_open = False
+        return []
+
+    def frame_received(self, payload: bytes | str) -> list[Event]:
+        """A text frame from the server."""
+        if self.closed:
+            return []
+        try:
+            msg = decode_server_message(payload)
+        except ProtocolError as e:
+            self._fail(e)
+            return self._flush()
+        handler = getattr(self, "_rx_" + msg["type"], None)
+        if handler is None:
+            log.warning("ignoring unknown mailbox server message type %r", msg["type"])
+        else:
+            handler(msg)
+        return self._flush()
+
+    # --- application requests ----------------------------------------------
+
+    def allocate_code(self, length: int = 2) -> list[Event]:
+        """Ask the server for a nameplate and build a code of ``length`` words."""
+        self._start_code()
+        if length < 1:
+            raise ValueError("a code needs at least one word")
+        self._code_length = length
+        if self.connected:
+            self._tx("allocate")
+        return self._flush()
+
+    def set_code(self, code: str) -> list[Event]:
+        """Use a code the user typed (or both sides agreed on)."""
+        code = codes.normalize_code(code)
+        codes.validate_code(code)
+        self._start_code()
+        self._got_code(code)
+        return self._flush()
+
+    def list_nameplates(self) -> list[Event]:
+        """Ask for the nameplates in use (for code completion)."""
+        self._want_list = True
+        if self.connected:
+            self._tx("list")
+        return self._flush()
+
+    def ping(self, value: int) -> list[Event]:
+        if self.connected:
+            self._tx("ping", ping=value)
+        return self._flush()
+
+    def send_message(self, plaintext: bytes) -> list[Event]:
+        """Queue an application message (phases "0", "1", ...)."""
+        self._check_open()
+        phase = str(self._next_app_phase)
+        self._next_app_phase += 1
+        self._send_encrypted(phase, plaintext)
+        return self._flush()
+
+    def send_dilate(self, plaintext: bytes) -> list[Event]:
+        """Queue a Dilation L1 record (phases "dilate-0", "dilate-1", ...)."""
+        self._check_open()
+        phase = f"dilate-{self._next_dilate_phase}"
+        self._next_dilate_phase += 1
+        self._send_encrypted(phase, plaintext)
+        return self._flush()
+
+    def close(self, error: WormholeError | None = None) -> list[Event]:
+        """Close the wormhole: release the nameplate, close the mailbox.
+
+        With ``error`` the close reports it (and picks the matching mood);
+        without, the result is happy if the key was confirmed, lonely if not.
+        """
+        if self.closing or self.closed:
+            return []
+        self.closing = True
+        if error is None and not self.verified:
+            error = LonelyError()
+        self.result = error
+        self._mood = _mood_for(error, self.verified)
+        if self.connected:
+            self._send_close_requests()
+        self._maybe_finish()
+        return self._flush()
+
+    # --- server messages ----------------------------------------------------
+
+    def _rx_welcome(self, msg: dict[str, Any]) -> None:
+        welcome = msg["welcome"]
+        if "error" in welcome:
+            self._fail(WelcomeError(str(welcome["error"])))
+            return
+        if not self._welcomed:
+            self._welcomed = True
+            self._out.append(GotWelcome(welcome))
+
+    def _rx_ack(self, msg: dict[str, Any]) -> None:
+        pass
+
+    def _rx_pong(self, msg: dict[str, Any]) -> None:
+        self._out.append(GotPong(msg.get("pong")))
+
+    def _rx_nameplates(self, msg: dict[str, Any]) -> None:
+        self._want_list = False
+        ids = tuple(str(n["id"]) for n in msg["nameplates"] if isinstance(n, dict) and "id" in n)
+        self._out.append(GotNameplates(ids))
+
+    def _rx_allocated(self, msg: dict[str, Any]) -> None:
+        if self._code_length is None or self.code is not None:
+            return  # a late duplicate after a reconnect
+        length, self._code_length = self._code_length, None
+        self._got_code(codes.make_code(msg["nameplate"], length))
+
+    def _rx_claimed(self, msg: dict[str, Any]) -> None:
+        if self._claim != "claiming":
+            return
+        self._claim = "claimed"
+        if self.mailbox is None:
+            self.mailbox = msg["mailbox"]
+        if not self._mailbox_open and not self.closing:
+            self._open_mailbox()
+        if self.their_side is not None:
+            self._release()
+
+    def _rx_released(self, msg: dict[str, Any]) -> None:
+        if self._claim == "releasing":
+            self._claim = "released"
+        self._maybe_finish()
+
+    def _rx_closed(self, msg: dict[str, Any]) -> None:
+        self._mailbox_closed = True
+        self._maybe_finish()
+
+    def _rx_error(self, msg: dict[str, Any]) -> None:
+        orig = msg.get("orig") if isinstance(msg.get("orig"), dict) else {}
+        orig_type = orig.get("type")
+        # A refused claim/open holds nothing we must give back when closing.
+        if orig_type == "claim":
+            self._claim = None
+        elif orig_type == "open":
+            self.mailbox = None
+        if self.closing:
+            log.info("mailbox server error while closing: %s", msg["error"])
+            self._maybe_finish()
+            return
+        if msg["error"] == "crowded":
+            self._fail(CrowdedError(orig))
+        else:
+            self._fail(ServerError(msg["error"], orig))
+
+    def _rx_message(self, msg: dict[str, Any]) -> None:
+        side, phase, body = msg["side"], msg["phase"], msg["body"]
+        if side == self.side:
+            self._pending.pop(phase, None)  # the server has it: stop resending
+            return
+        if self.closing:
+            return
+        if self.their_side is None:
+            self.their_side = side
+            self._out.append(GotPeer())
+            self._release()
+        elif side != self.their_side:
+            log.warning("ignoring a mailbox message from a third side %r", side)
+            return
+        if phase in self._processed:
+            return  # replayed after a reconnect
+        self._processed.add(phase)
+        if phase == "pake":
+            self._got_pake(body)
+        elif self._key is None:
+            self._early_inbound.append((side, phase, body))
+        else:
+            self._got_encrypted(side, phase, body)
+
+    # --- internals ------------------------------------------------------------
+
+    def _check_open(self) -> None:
+        if self.closing or self.closed:
+            raise WormholeClosedError()
+
+    def _start_code(self) -> None:
+        self._check_open()
+        if self.code is not None or self._code_length is not None:
+            raise OnlyOneCodeError()
+
+    def _got_code(self, code: str) -> None:
+        self.code = code
+        self._nameplate = codes.validate_code(code)
+        self._out.append(GotCode(code))
+        self._claim = "claiming"
+        if self.connected:
+            self._send_claim()
+        self._pake = Pake(code, self.appid)
+        self._add("pake", self._pake.message_body())
+
+    def _send_claim(self) -> None:
+        self._claim_sent = True
+        self._tx("claim", nameplate=self._nameplate)
+
+    def _release(self) -> None:
+        if self._claim in ("claiming", "claimed"):
+            self._claim = "releasing"
+            if self.connected:
+                self._send_release()
+
+    def _send_release(self) -> None:
+        # The server allows one release per connection.
+        if not self._release_sent:
+            self._release_sent = True
+            self._tx("release", nameplate=self._nameplate)
+
+    def _open_mailbox(self) -> None:
+        self._tx("open", mailbox=self.mailbox)
+        self._mailbox_open = True
+        for phase, body in self._pending.items():
+            self._tx("add", phase=phase, body=body.hex())
+
+    def _add(self, phase: str, body: bytes) -> None:
+        self._pending[phase] = body
+        if self._mailbox_open:
+            self._tx("add", phase=phase, body=body.hex())
+
+    def _send_encrypted(self, phase: str, plaintext: bytes) -> None:
+        if self.verified:
+            assert self._key is not None
+            self._add(phase, encrypt_data(derive_phase_key(self._key, self.side, phase), plaintext))
+        else:
+            self._unsent_app.append((phase, plaintext))
+
+    def _got_pake(self, body: bytes) -> None:
+        assert self._pake is not None  # the peer can only know the mailbox through a code
+        try:
+            self._key = self._pake.finish(body)
+        except ValueError as e:
+            log.info("PAKE failed: %s", e)
+            self._fail(WrongCodeError())
+            return
+        self._out.append(GotUnverifiedKey(self._key))
+        version_key = derive_phase_key(self._key, self.side, "version")
+        self._add("version", encrypt_data(version_key, json.dumps(self._versions).encode()))
+        early, self._early_inbound = self._early_inbound, []
+        for side, phase, data in early:
+            if self.closing:
+                break
+            self._got_encrypted(side, phase, data)
+
+    def _got_encrypted(self, side: str, phase: str, body: bytes) -> None:
+        assert self._key is not None
+        try:
+            plaintext = decrypt_data(derive_phase_key(self._key, side, phase), body)
+        except CryptoError:
+            self._fail(WrongCodeError())
+            return
+        if not self.verified:
+            self.verified = True
+            self._out.append(GotVerifier(derive_verifier(self._key)))
+            unsent, self._unsent_app = self._unsent_app, []
+            for unsent_phase, data in unsent:
+                self._send_encrypted(unsent_phase, data)
+        if phase == "version":
+            try:
+                versions = json.loads(plaintext)
+                if not isinstance(versions, dict):
+                    raise ValueError("not an object")
+            except ValueError:
+                self._fail(WormholeError("the other side sent an unreadable version message"))
+                return
+            self._out.append(GotVersions(versions))
+        elif match := _DILATE_PHASE.match(phase):
+            for item in self._dilate_in.add(int(match.group(1)), plaintext):
+                self._out.append(GotDilate(item))
+        elif _APP_PHASE.match(phase):
+            for item in self._app_in.add(int(phase), plaintext):
+                self._out.append(GotMessage(item))
+        else:
+            log.warning("ignoring unknown mailbox phase %r", phase)
+
+    def _fail(self, error: WormholeError) -> None:
+        if self.closing or self.closed:
+            return
+        log.info("wormhole failed: %s", error)
+        # close() flushes self._out: bind the list only after it returns.
+        events = self.close(error)
+        self._out.extend(events)
+
+    def _send_close_requests(self) -> None:
+        if self._claim in ("claiming", "claimed", "releasing"):
+            if self._claim_sent or self._claim != "claiming":
+                self._claim = "releasing"
+                self._send_release()
+            else:
+                self._claim = None  # never reached the server
+        if self.mailbox is not None and not self._mailbox_closed:
+            self._tx("close", mailbox=self.mailbox, mood=self._mood)
+
+    def _maybe_finish(self) -> None:
+        if not self.closing or self.closed:
+            return
+        if self._claim == "claiming" and not self._claim_sent:
+            self._claim = None
+        if self._claim in ("claiming", "claimed", "releasing"):
+            return
+        if self.mailbox is not None and not self._mailbox_closed:
+            return
+        self.closed = True
+        self._out.append(Closed(self.result))
+        self._out.append(StopConnection())

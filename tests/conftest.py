@@ -1,0 +1,1 @@
+pytest_plugins = ["spark_dilation.testing.fixtures"]
