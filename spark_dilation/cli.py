@@ -114,7 +114,7 @@ def setup_logging(verbosity: int) -> None:
     globalLogBeginner.beginLoggingTo([STDLibLogObserver()], redirectStandardIO=False)
     if verbosity < 2:
         # autobahn/twisted chatter is debug-level detail for us.
-        logging.getLogger("twisted").setLevel(max(level, logging.WARNING))
+        logging.getLogger("twisted").setLevel(logging.ERROR)
 
 
 def run_reactor(command: Callable[..., Any], args: argparse.Namespace) -> int:

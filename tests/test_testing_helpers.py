@@ -501,8 +501,13 @@ def test_proxy_resets_client_when_target_is_down(
     with busy_port() as placeholder:
         dead_port = placeholder.getsockname()[1]
     proxy = tcp_proxy("127.0.0.1", dead_port)
-    with connect(proxy) as sock:
-        assert_closed_by_peer(sock)
+    try:
+        sock = connect(proxy)
+    except ConnectionError:
+        pass  # the reset raced connect() itself: the client saw it all the same
+    else:
+        with sock:
+            assert_closed_by_peer(sock)
     wait_for(lambda: proxy.connection_count == 0, "the proxy to forget the connection")
 
 

@@ -185,12 +185,13 @@ class Wormhole:
         self._nameplate_lists = _Queue(reactor)
         self.on_dilate_record: Callable[[bytes], None] | None = None
 
+        endpoint = _endpoint_for(reactor, mailbox_url)  # validates the URL first
         factory = WebSocketClientFactory(mailbox_url)
         factory.protocol = _MailboxProtocol
         factory.wormhole = self
         factory.setProtocolOptions(autoPingInterval=30, autoPingTimeout=60, openHandshakeTimeout=30)
         self._service = ClientService(
-            _endpoint_for(reactor, mailbox_url),
+            endpoint,
             factory,
             retryPolicy=retry_policy or backoffPolicy(initialDelay=0.2, maxDelay=5.0, factor=2.0),
             clock=reactor,
