@@ -13,19 +13,23 @@ import logging
 import os
 import sys
 from collections.abc import Callable, Sequence
+from pathlib import Path
 from typing import Any, TextIO
 
 from twisted.internet import defer, task, threads
 
 from . import __version__
 from .errors import DilationError, TransferError
-from .transit import offers
+from .transit import filetransfer, offers
+from .transit.connector import TransitConnector
 from .wormhole import DEFAULT_MAILBOX_URL, Wormhole
 from .wormhole.wordlist import code_completions
 
 log = logging.getLogger("spark_dilation.cli")
 
 MAILBOX_ENV = "SPARK_DILATION_MAILBOX"
+RELAY_ENV = "SPARK_DILATION_RELAY"
+DEFAULT_RELAY_URL = "tcp:transit.magic-wormhole.io:4001"
 EXIT_ERROR = 1
 EXIT_USAGE = 2
 
@@ -51,17 +55,32 @@ def build_parser() -> argparse.ArgumentParser:
     sub = parser.add_subparsers(dest="command", metavar="COMMAND")
     sub.required = True
 
-    send = sub.add_parser("send", help="send a text message")
-    send.add_argument("--text", required=True, metavar="MESSAGE", help="the text to send")
+    send = sub.add_parser("send", help="send a text, a file or a directory")
+    what = send.add_mutually_exclusive_group(required=True)
+    what.add_argument("--text", metavar="MESSAGE", help="the text to send")
+    what.add_argument("path", nargs="?", help="a file or directory to send")
+    send.add_argument(
+        "--classic",
+        action="store_true",
+        help="use classic Transit (what `wormhole receive` speaks; the default for files)",
+    )
     send.add_argument("--code", help="use this code instead of asking the server for one")
     send.add_argument(
         "--code-length", type=int, default=2, metavar="WORDS", help="words in a new code"
     )
     _add_timeout(send)
+    _add_transit_options(send)
 
-    receive = sub.add_parser("receive", help="receive a text message")
+    receive = sub.add_parser("receive", help="receive a text, a file or a directory")
     receive.add_argument("code", nargs="?", help="the code (asked for if omitted)")
+    receive.add_argument(
+        "--accept-file", action="store_true", help="accept a file or directory without asking"
+    )
+    receive.add_argument(
+        "-o", "--output-file", metavar="PATH", help="save the file or directory under this name"
+    )
     _add_timeout(receive)
+    _add_transit_options(receive)
 
     serve = sub.add_parser("serve", help="run a mailbox server and transit relay in the foreground")
     serve.add_argument("--interface", default="127.0.0.1", help="address to listen on")
@@ -84,6 +103,20 @@ def _add_timeout(p: argparse.ArgumentParser) -> None:
     )
 
 
+def _add_transit_options(p: argparse.ArgumentParser) -> None:
+    p.add_argument(
+        "--relay",
+        metavar="tcp:HOST:PORT",
+        default=os.environ.get(RELAY_ENV, DEFAULT_RELAY_URL),
+        help=f"transit relay for files (env {RELAY_ENV}; default %(default)s)",
+    )
+    p.add_argument(
+        "--no-listen",
+        action="store_true",
+        help="offer no direct connection (reach the peer only through relays)",
+    )
+
+
 def main(argv: Sequence[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
     setup_logging(args.verbose)
@@ -98,8 +131,8 @@ def main(argv: Sequence[str] | None = None) -> int:
             allow_list=not args.disallow_list,
         )
     command: Callable[..., Any] = {
-        "send": send_text,
-        "receive": receive_text,
+        "send": send,
+        "receive": receive,
         "demo": demo,
     }[args.command]
     return run_reactor(command, args)
@@ -179,8 +212,16 @@ def _finish(w: Wormhole, work: Any) -> Any:
     return result
 
 
+def _connector(reactor: Any, args: argparse.Namespace, is_sender: bool) -> TransitConnector:
+    return TransitConnector(
+        reactor, is_sender=is_sender, relay_url=args.relay or None, no_listen=args.no_listen
+    )
+
+
 @defer.inlineCallbacks
-def send_text(reactor: Any, args: argparse.Namespace, out: TextIO, err: TextIO) -> Any:
+def send(reactor: Any, args: argparse.Namespace, out: TextIO, err: TextIO) -> Any:
+    if args.path is not None and not os.path.exists(args.path):
+        raise TransferError(f"cannot send {args.path!r}: no such file or directory")
     w = yield _open(reactor, args, err)
 
     @defer.inlineCallbacks
@@ -197,6 +238,17 @@ def send_text(reactor: Any, args: argparse.Namespace, out: TextIO, err: TextIO) 
             file=err,
         )
         err.flush()
+        if args.path is not None:
+            digest = yield defer.ensureDeferred(
+                filetransfer.send_path(
+                    w,
+                    Path(args.path),
+                    _connector(reactor, args, True),
+                    on_status=lambda s: print(s.capitalize() + "..", file=err),
+                )
+            )
+            print(f"File sent and confirmed (sha256 {digest[:16]}...)", file=err)
+            return
         yield w.get_verifier()
         w.send_message(offers.text_offer(args.text))
         while True:
@@ -212,8 +264,18 @@ def send_text(reactor: Any, args: argparse.Namespace, out: TextIO, err: TextIO) 
 
 
 @defer.inlineCallbacks
-def receive_text(reactor: Any, args: argparse.Namespace, out: TextIO, err: TextIO) -> Any:
+def receive(reactor: Any, args: argparse.Namespace, out: TextIO, err: TextIO) -> Any:
     w = yield _open(reactor, args, err)
+
+    def accept(offer: filetransfer.Offer) -> bool:
+        what = f"{offer.kind} {offer.name!r} ({offer.size} bytes"
+        what += f", {offer.numfiles} files)" if offer.kind == "directory" else ")"
+        print(f"Receiving {what}", file=err)
+        if args.accept_file:
+            return True
+        if not sys.stdin.isatty():
+            raise TransferError("pass --accept-file to accept a file without a prompt")
+        return input("ok? (Y/n): ").strip().lower() in ("", "y", "yes")
 
     @defer.inlineCallbacks
     def exchange() -> Any:
@@ -221,19 +283,22 @@ def receive_text(reactor: Any, args: argparse.Namespace, out: TextIO, err: TextI
         if not code:
             code = yield threads.deferToThread(_ask_for_code, reactor, w, err)
         w.set_code(code)
-        yield w.get_verifier()
-        while True:
-            offer = offers.parse((yield w.get_message()))
-            if isinstance(offer, offers.TextOffer):
-                out.write(offer.message + "\n")
-                out.flush()
-                w.send_message(offers.text_ack())
-                return
-            if isinstance(offer, offers.UnsupportedOffer):
-                reason = f"spark-dilation cannot receive a {offer.kind} offer yet; send text"
-                w.send_message(offers.error_message(reason))
-                raise TransferError(f"the other side offered a {offer.kind}: {reason}")
-            log.info("ignoring %r while waiting for the offer", offer)
+        output = Path(args.output_file) if args.output_file else None
+        result = yield defer.ensureDeferred(
+            filetransfer.receive(
+                w,
+                output.parent if output else Path.cwd(),
+                _connector(reactor, args, False),
+                accept=accept,
+                output_name=output.name if output else None,
+                on_status=lambda s: print(s.capitalize() + "..", file=err),
+            )
+        )
+        if isinstance(result, filetransfer.ReceivedText):
+            out.write(result.message + "\n")
+            out.flush()
+        else:
+            print(f"Received {result.kind} written to: {result.path}", file=err)
 
     yield _finish(w, exchange())
 
