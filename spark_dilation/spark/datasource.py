@@ -1,0 +1,253 @@
+"""``spark.read.format("dilation")``: the PySpark Python data source.
+
+What runs where (PySpark 4.3; no method runs in the user's own Python process):
+
+- ``DilationDataSource.schema()`` runs once per ``load()``, in a short-lived
+  planner worker on the driver machine. It receives the file into a fresh
+  staging directory, inspects it and returns the Spark schema. Spark then
+  pickles the instance, *with* the staged dataset it remembered, for every
+  later step, so the code is used exactly once however many actions follow.
+- ``reader()`` and ``StagedFileReader.partitions()`` run in another planner
+  worker, once per action. ``partitions()`` splits the staged data into tasks.
+- ``StagedFileReader.read()`` runs in task workers (executors), one split
+  each, and yields Arrow record batches cast exactly to the declared schema.
+
+Tasks read the staged files by path: fine in local mode and on one machine;
+on a real cluster set option ``staging_dir`` to storage every executor sees.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import os
+from collections.abc import Iterator, Mapping
+from pathlib import Path
+from typing import TYPE_CHECKING, Any
+
+import pyarrow as pa
+from pyspark.errors import PySparkException
+from pyspark.sql.datasource import DataSource, DataSourceReader, InputPartition
+from pyspark.sql.pandas.types import from_arrow_type, to_arrow_schema
+from pyspark.sql.types import DataType, StructField, StructType
+
+from ..errors import DilationError
+from .options import MAILBOX_ENV, RELAY_ENV, OptionError, ReadSettings
+from .receive import receive_file
+from .staged import (
+    StagedDataError,
+    StagedDataset,
+    UnsupportedFormatError,
+    inspect_staged,
+    plan_splits,
+    read_split,
+    spark_compatible_schema,
+)
+
+if TYPE_CHECKING:
+    from pyspark.sql import DataFrame, SparkSession
+
+__all__ = [
+    "DilationDataSource",
+    "NotSupportedYetError",
+    "StagedFileReader",
+    "read_wormhole_file",
+    "to_spark_schema",
+]
+
+log = logging.getLogger("spark_dilation.spark")
+
+
+class NotSupportedYetError(DilationError, NotImplementedError):
+    """A feature of the data source that is planned but not implemented."""
+
+
+# Spark stores its own schema, as JSON, in the metadata of every Parquet file it writes.
+_SPARK_PARQUET_SCHEMA_KEY = b"org.apache.spark.sql.parquet.row.metadata"
+
+
+def _spark_written_types(schema: pa.Schema) -> dict[str, DataType]:
+    """Spark's own column types, if Spark wrote these files; else empty.
+
+    They tell what the Parquet types alone cannot: an INT96 or zone-less
+    timestamp written by Spark is a TimestampType instant, not a
+    TimestampNTZType wall-clock time.
+    """
+    raw = (schema.metadata or {}).get(_SPARK_PARQUET_SCHEMA_KEY)
+    if not raw:
+        return {}
+    try:
+        written = StructType.fromJson(json.loads(raw))
+    except (ValueError, KeyError, TypeError):
+        return {}  # not ours to fail on: fall back to the Arrow types
+    return {f.name: f.dataType for f in written.fields}
+
+
+def _erase_ntz(data_type: DataType) -> str:
+    return data_type.json().replace('"timestamp_ntz"', '"timestamp"')
+
+
+def to_spark_schema(schema: pa.Schema) -> StructType:
+    """The Spark schema for data with this Arrow schema (see ``spark_compatible_type``).
+
+    Timestamps in Parquet files written by Spark keep the flavour Spark recorded
+    (instant or wall-clock time), which the Parquet types alone do not tell.
+    Field metadata is dropped on purpose: Spark's converter parses it as JSON,
+    and files written by other tools carry arbitrary bytes there.
+    """
+    spark_written = _spark_written_types(schema)
+    fields = []
+    for original, compatible in zip(schema, spark_compatible_schema(schema), strict=True):
+        try:
+            spark_type = from_arrow_type(compatible.type, prefer_timestamp_ntz=True)
+        except (PySparkException, TypeError) as exc:
+            raise UnsupportedFormatError(
+                f"column {original.name!r} has Arrow type {original.type}, which Spark "
+                "cannot hold; convert it before sending"
+            ) from exc
+        written = spark_written.get(original.name)
+        # Take Spark's word only on the timestamp flavour; if anything else
+        # differs (files merged with other types, say) the Arrow types decide.
+        if written is not None and _erase_ntz(written) == _erase_ntz(spark_type):
+            spark_type = written
+        fields.append(StructField(original.name, spark_type, nullable=compatible.nullable))
+    return StructType(fields)
+
+
+class DilationDataSource(DataSource):
+    """Read a file sent with the standard ``wormhole send`` straight into a DataFrame.
+
+    ::
+
+        spark.read.format("dilation").option("code", CODE).option("accept", "file").load()
+
+    Parquet, CSV, JSON Lines and Arrow IPC files are read, and directories of
+    them (for example a Spark output directory sent with ``wormhole send dir/``).
+    Spark finds this class by itself through the top-level ``pyspark_dilation``
+    module; no ``spark.dataSource.register`` call is needed.
+    """
+
+    def __init__(self, options: Mapping[str, str]) -> None:
+        super().__init__(options)  # type: ignore[arg-type]
+        # Set by schema() in the planner worker and pickled along with the
+        # instance to every later step: the received data's location and shape.
+        self._staged: StagedDataset | None = None
+
+    @classmethod
+    def name(cls) -> str:
+        return "dilation"
+
+    def schema(self) -> StructType:
+        """Receive (once) and inspect the data; its Spark schema. Runs in a planner worker."""
+        settings = ReadSettings.from_options(self.options)
+        self._staged = _stage(settings)
+        return to_spark_schema(self._staged.arrow_schema)
+
+    def reader(self, schema: StructType) -> StagedFileReader:
+        """A reader of the staged data for ``schema``. Runs in a planner worker, per action."""
+        settings = ReadSettings.from_options(self.options)
+        staged = self._staged
+        if staged is None:
+            # schema() was skipped because the user declared one with .schema(...).
+            if settings.staged_path is None:
+                # Receiving here would happen again for every action (reader()
+                # runs per action from the instance pickled before it), and a
+                # code works only once.
+                raise OptionError(
+                    "a declared schema (.schema(...)) cannot be combined with option code: "
+                    "the file is received while Spark infers its schema. Drop .schema(...) "
+                    "and cast the columns afterwards, or receive_file() first and read it "
+                    "with option staged_path"
+                )
+            staged = _inspect(settings, Path(settings.staged_path))
+        return StagedFileReader(staged, to_arrow_schema(schema, timezone="UTC"))
+
+    def writer(self, schema: StructType, overwrite: bool) -> Any:
+        """Not implemented yet: writing to a wormhole code comes with dataset transfers."""
+        raise NotSupportedYetError(
+            'df.write.format("dilation") is not supported yet: only reading a file sent '
+            'with `wormhole send` (option("accept", "file")) is implemented'
+        )
+
+
+class StagedFileReader(DataSourceReader):
+    """Reads a staged dataset. Built in a planner worker; pickled to task workers."""
+
+    def __init__(self, staged: StagedDataset, target: pa.Schema) -> None:
+        self.staged = staged
+        # Exactly what Spark checks the batches against (to_arrow_schema with UTC).
+        self.target = target
+
+    def partitions(self) -> list[InputPartition]:
+        """One partition per file; for Parquet, per group of row groups. Planner worker."""
+        # Spark pickles this reader for the tasks before it calls partitions(),
+        # so everything read() needs travels in the partition, not in self.
+        return [InputPartition(split) for split in plan_splits(self.staged)]
+
+    def read(self, partition: InputPartition) -> Iterator[pa.RecordBatch]:
+        """Record batches of one partition, cast to the declared schema. Task worker."""
+        split = partition.value
+        if split is None:
+            # Spark substitutes one empty InputPartition(None) when a dataset
+            # has no splits at all (an empty Parquet file, say).
+            return
+        yield from read_split(self.staged, split, self.target)
+
+
+def _inspect(settings: ReadSettings, path: Path) -> StagedDataset:
+    return inspect_staged(path, format=settings.format, csv=settings.csv)
+
+
+def _stage(settings: ReadSettings) -> StagedDataset:
+    """The dataset to read: received now into a fresh staging directory, or staged earlier."""
+    if settings.staged_path is not None:
+        return _inspect(settings, Path(settings.staged_path))
+    assert settings.code is not None  # ReadSettings guarantees code or staged_path
+    # receive_file() creates the fresh staging directory itself, so that it
+    # can remove it again if the transfer fails.
+    received = receive_file(
+        settings.code,
+        staging_dir=settings.staging_root,
+        mailbox=settings.mailbox_url,
+        relay=settings.relay,
+        timeout=settings.timeout,
+    )
+    log.info(
+        "received %s %s (%d bytes, sha256 %s)",
+        received.kind,
+        received.path,
+        received.size,
+        received.sha256,
+    )
+    try:
+        return _inspect(settings, Path(received.path))
+    except (UnsupportedFormatError, StagedDataError) as exc:
+        # The code is used up, so say where the file is and how to read it anyway.
+        raise type(exc)(
+            f"{exc}. The received {received.kind} is kept at {received.path}: read it with "
+            f'.option("staged_path", "{received.path}") and .option("format", ...)'
+        ) from exc
+
+
+def _option_text(value: object) -> str:
+    if isinstance(value, bool):
+        return "true" if value else "false"
+    return str(value)
+
+
+def read_wormhole_file(spark: SparkSession, code: str, **options: object) -> DataFrame:
+    """``spark.read.format("dilation")`` for a file sent with ``wormhole send``; runs on the driver.
+
+    The interactive shortcut: ``read_wormhole_file(spark, "7-guitarist-revenge")``
+    loads the file into a DataFrame. ``options`` are the data source's options
+    (``format="csv"``, ``header=False``, ``timeout=60``, ...); ``None`` values are
+    skipped. ``$SPARK_DILATION_MAILBOX`` and ``$SPARK_DILATION_RELAY`` are read
+    here, in the caller's process, because the transfer itself runs in a Spark
+    worker that may not share the notebook's environment.
+    """
+    opts: dict[str, str] = {"accept": "file"}
+    for key, env in (("mailbox", MAILBOX_ENV), ("relay", RELAY_ENV)):
+        if os.environ.get(env):
+            opts[key] = os.environ[env]
+    opts.update({key: _option_text(v) for key, v in options.items() if v is not None})
+    return spark.read.format("dilation").option("code", code).options(**opts).load()
