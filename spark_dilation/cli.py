@@ -89,7 +89,10 @@ def build_parser() -> argparse.ArgumentParser:
     serve.add_argument("--motd", help="message of the day shown to clients")
     serve.add_argument("--disallow-list", action="store_true", help="refuse to list nameplates")
 
-    sub.add_parser("demo", help="start embedded servers and run a transfer end to end")
+    demo = sub.add_parser(
+        "demo", help="start embedded servers and run a transfer into Spark end to end"
+    )
+    demo.add_argument("--no-spark", action="store_true", help="skip the Spark part")
     return parser
 
 
@@ -130,11 +133,15 @@ def main(argv: Sequence[str] | None = None) -> int:
             motd=args.motd,
             allow_list=not args.disallow_list,
         )
-    command: Callable[..., Any] = {
-        "send": send,
-        "receive": receive,
-        "demo": demo,
-    }[args.command]
+    if args.command == "demo":
+        from .demo import run
+
+        try:
+            return run(sys.stdout, spark=not args.no_spark)
+        except DilationError as e:
+            print(f"spark-dilation: error: {e}", file=sys.stderr)
+            return EXIT_ERROR
+    command: Callable[..., Any] = {"send": send, "receive": receive}[args.command]
     return run_reactor(command, args)
 
 
@@ -332,38 +339,6 @@ def _ask_for_code(reactor: Any, w: Wormhole, err: TextIO) -> str:
     readline.parse_and_bind("tab: complete")
     print(" (Tab completes the words)", file=err)
     return input("Enter receive wormhole code: ").strip()
-
-
-@defer.inlineCallbacks
-def demo(reactor: Any, args: argparse.Namespace, out: TextIO, err: TextIO) -> Any:
-    """Embedded mailbox + relay, then a real wormhole exchange between two clients."""
-    from .servers import start_servers
-
-    servers = yield start_servers(reactor)
-    try:
-        print(f"mailbox server: {servers.mailbox_url}", file=out)
-        print(f"transit relay:  {servers.relay_url}", file=out)
-        sender = Wormhole(offers.APPID, servers.mailbox_url, reactor, timeout=60)
-        sender.allocate_code()
-        code = yield sender.get_code()
-        print(f"sender: wormhole code is {code}", file=out)
-        receiver = Wormhole(offers.APPID, servers.mailbox_url, reactor, timeout=60)
-        receiver.set_code(code)
-        sent = "hello from spark-dilation"
-        sender.send_message(offers.text_offer(sent))
-        offer = offers.parse((yield receiver.get_message()))
-        assert isinstance(offer, offers.TextOffer)
-        receiver.send_message(offers.text_ack())
-        answer = offers.parse((yield sender.get_message()))
-        verifier = yield receiver.get_verifier()
-        print(f"receiver: got {offer.message!r} (verifier {verifier.hex()[:16]}...)", file=out)
-        print(f"sender: peer answered {getattr(answer, 'fields', answer)}", file=out)
-        yield defer.gatherResults([sender.close(), receiver.close()], consumeErrors=True)
-        if offer.message != sent:
-            raise DilationError("demo failed: the message changed on the way")
-        print("demo: OK", file=out)
-    finally:
-        yield servers.stop()
 
 
 if __name__ == "__main__":  # pragma: no cover

@@ -75,6 +75,9 @@ class TransitConnection(protocol.Protocol):
         self._handle(self.core.data_received(data))
 
     def connectionLost(self, reason: Failure = protocol.connectionDone) -> None:
+        # Twisted sets ``connected`` in makeConnection but never clears it;
+        # receive_record(), close() and abort() rely on it being accurate.
+        self.connected = False
         if self._error is None:
             self._error = P.TransitError(
                 "the transit connection closed" + ("" if self.is_winner else " before it was ready")
