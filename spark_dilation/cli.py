@@ -290,14 +290,20 @@ def receive(reactor: Any, args: argparse.Namespace, out: TextIO, err: TextIO) ->
         if not code:
             code = yield threads.deferToThread(_ask_for_code, reactor, w, err)
         w.set_code(code)
+        # -o NAME renames; -o EXISTING_DIR saves inside it under the offered name.
         output = Path(args.output_file) if args.output_file else None
+        if output is not None and output.is_dir():
+            dest_dir, name = output, None
+        else:
+            dest_dir = output.parent if output else Path.cwd()
+            name = output.name if output else None
         result = yield defer.ensureDeferred(
             filetransfer.receive(
                 w,
-                output.parent if output else Path.cwd(),
+                dest_dir,
                 _connector(reactor, args, False),
                 accept=accept,
-                output_name=output.name if output else None,
+                output_name=name,
                 on_status=lambda s: print(s.capitalize() + "..", file=err),
             )
         )

@@ -324,7 +324,12 @@ class TransitConnector:
         ep = endpoints.HostnameEndpoint(self._reactor, hint.hostname, hint.port, timeout=10)
         d = ep.connect(_Factory(self, relay, desc))
         self._pending.append(d)
-        d.addErrback(lambda f: log.info("transit %s failed: %s", desc, f.getErrorMessage()))
+        d.addErrback(self._dial_failed, desc)
+
+    def _dial_failed(self, failure: Failure, desc: str) -> None:
+        log.info("transit %s failed: %s", desc, failure.getErrorMessage())
+        self._attempts.append(f"{desc}: {failure.getErrorMessage()}")
+        self._maybe_give_up()
 
     def _build(self, relay: bool, desc: str) -> TransitConnection:
         assert self._key is not None
@@ -358,6 +363,17 @@ class TransitConnector:
         self._connections.discard(conn)
         if conn is not self._winner and conn.core.state == "failed" and conn._error:
             self._attempts.append(f"{conn.description}: {conn._error}")
+        self._maybe_give_up()
+
+    def _maybe_give_up(self) -> None:
+        """Fail at once when every attempt failed and nothing can still arrive."""
+        if self._result is None or self._result.called or self._winner is not None:
+            return
+        if self._listening_port is not None or self._connections:
+            return  # the peer may still dial us, or a handshake is under way
+        if any(not p.called if not hasattr(p, "active") else p.active() for p in self._pending):
+            return
+        self._timed_out(all_failed=True)
 
     def _stop_others(self) -> None:
         if self._timer is not None and self._timer.active():
@@ -376,11 +392,12 @@ class TransitConnector:
             self._listening_port.stopListening()
             self._listening_port = None
 
-    def _timed_out(self) -> None:
+    def _timed_out(self, all_failed: bool = False) -> None:
         self._timer = None
         tried = "; ".join(self._attempts) or "nothing"
+        when = ": every attempt failed" if all_failed else f" within {self._timeout:g} s"
         self._fail(
-            f"could not connect to the other side within {self._timeout:g} s (tried: {tried}). "
+            f"could not connect to the other side{when} (tried: {tried}). "
             "If you are on different networks, give both sides a transit relay."
         )
 

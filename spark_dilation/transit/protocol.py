@@ -53,7 +53,13 @@ class BadHandshake(TransitError):
 
 
 class BadRecord(TransitError):
-    """A record was corrupted, replayed, reordered or too large."""
+    """A record was corrupted, replayed, reordered or too large.
+
+    ``records`` holds the good records decoded before the bad one, so they
+    are still delivered (as the reference does) before the connection dies.
+    """
+
+    records: list[bytes] = []
 
 
 def sender_handshake(key: bytes) -> bytes:
@@ -134,19 +140,23 @@ class RecordDecoder:
 
     def feed(self, data: bytes) -> list[bytes]:
         self._buf += data
-        records = []
-        while len(self._buf) >= 4:
-            length = int.from_bytes(self._buf[:4], "big")
-            if length > self._max or length < RECORD_OVERHEAD:
-                raise BadRecord(
-                    f"the peer sent a record of {length} bytes (limit {self._max}); "
-                    "the connection is corrupt or hostile"
-                )
-            if len(self._buf) < 4 + length:
-                break
-            encrypted = bytes(self._buf[4 : 4 + length])
-            del self._buf[: 4 + length]
-            records.append(self._decrypt(encrypted))
+        records: list[bytes] = []
+        try:
+            while len(self._buf) >= 4:
+                length = int.from_bytes(self._buf[:4], "big")
+                if length > self._max or length < RECORD_OVERHEAD:
+                    raise BadRecord(
+                        f"the peer sent a record of {length} bytes (limit {self._max}); "
+                        "the connection is corrupt or hostile"
+                    )
+                if len(self._buf) < 4 + length:
+                    break
+                encrypted = bytes(self._buf[4 : 4 + length])
+                del self._buf[: 4 + length]
+                records.append(self._decrypt(encrypted))
+        except BadRecord as e:
+            e.records = records
+            raise
         return records
 
     @property
@@ -278,4 +288,4 @@ class TransitConnectionCore:
             return [RecordReceived(r) for r in self._decoder.feed(data)]
         except BadRecord as e:
             self.state = "failed"
-            return [Failed(e)]
+            return [*(RecordReceived(r) for r in e.records), Failed(e)]
