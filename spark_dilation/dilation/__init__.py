@@ -1,0 +1,13 @@
+"""Magic Wormhole Dilation: durable, encrypted, multiplexed connections.
+
+Pure layers (no I/O): ``l1``/``l1machine`` (mailbox records, roles,
+generations), ``framing`` + ``noise`` + ``connection`` (L2), ``records``
+(L3), ``keepalive``, ``outbound``/``inbound`` (L4), ``subchannels`` (L5).
+Twisted glue: ``connector`` (one generation's attempts), ``manager``,
+``subchannel`` (transports and endpoints), ``api`` (``dilate()``).
+"""
+
+from .api import DilatedWormhole, dilate
+from .manager import DilationFailed, DilationStatus
+
+__all__ = ["DilatedWormhole", "DilationFailed", "DilationStatus", "dilate"]

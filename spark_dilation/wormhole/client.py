@@ -159,9 +159,17 @@ class Wormhole:
         timeout: float | None = None,
         side: str | None = None,
         retry_policy: Callable[[int], float] | None = None,
+        dilation: bool = False,
     ) -> None:
         if versions is None:
-            versions = {"app_versions": dict(app_versions or {})}
+            versions = {}
+            if dilation:
+                from ..dilation.l1 import dilation_versions_message
+
+                versions.update(dilation_versions_message())
+            versions["app_versions"] = dict(app_versions or {})
+        self._dilation_enabled = dilation or "can-dilate" in versions
+        self._dilator: Any = None
         self._reactor = reactor
         self._url = mailbox_url
         self._core = core.WormholeCore(appid, versions=versions, side=side)
@@ -247,11 +255,34 @@ class Wormhole:
         return self._messages.get()
 
     def send_dilate(self, plaintext: bytes) -> None:
-        """Send one Dilation L1 record through the mailbox."""
+        """Send one Dilation L1 record through the mailbox (dropped once closing)."""
+        if self._core.closing or self._core.closed:
+            log.debug("not sending a dilation message: the wormhole is closing")
+            return
         self._feed(self._core.send_dilate(plaintext))
 
     def get_dilate_record(self) -> defer.Deferred:
         return self._dilate_records.get()
+
+    def _set_dilate_handler(self, handler: Callable[[bytes], None]) -> None:
+        """Deliver dilate-N records to ``handler`` (queued ones first, in order)."""
+        self.on_dilate_record = handler
+        while self._dilate_records._items:
+            handler(self._dilate_records._items.popleft())
+
+    def dilate(self, **options: Any) -> Any:
+        """Start Dilation (see :func:`spark_dilation.dilation.dilate`); once per wormhole."""
+        if not self._dilation_enabled:
+            raise NotImplementedError("create the Wormhole with dilation=True to dilate it")
+        if self._dilator is not None:
+            raise WormholeError("dilate() can be called only once per wormhole")
+        from ..dilation.api import DilatedWormhole
+        from ..dilation.manager import DilationManager
+
+        manager = DilationManager(self, self._reactor, **options)
+        self._dilator = DilatedWormhole(manager)
+        manager.start()
+        return self._dilator
 
     def derive_key(self, purpose: str, length: int) -> bytes:
         """A key for ``purpose`` derived from the confirmed wormhole key."""
@@ -286,6 +317,8 @@ class Wormhole:
         Fires with None after a happy exchange, or fails with the error that
         ended the wormhole (``WrongCodeError``, ``LonelyError``, ...).
         """
+        if self._dilator is not None:
+            self._dilator.stop()  # drop the L2 connection; no reconnects after this
         self._feed(self._core.close())
         if not self._core.closed and "close" not in self._timers:
             self._timers["close"] = self._reactor.callLater(CLOSE_TIMEOUT, self._close_timed_out)

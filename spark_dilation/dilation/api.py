@@ -1,0 +1,63 @@
+"""The public Dilation API: ``dilate(wormhole)`` and what it returns.
+
+Mirrors the reference's ``DilatedWormhole`` so Twisted code ports easily::
+
+    w = Wormhole(appid, mailbox_url, reactor, dilation=True)
+    ...
+    dw = dilate(w, relay_url="tcp:relay.example:4001")
+    await dw.when_dilated()
+    proto = await dw.connector_for("my-proto").connect(factory)   # opens a subchannel
+    port = await dw.listener_for("my-proto").listen(factory)      # accepts them
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from typing import Any
+
+from twisted.internet import defer
+
+from .manager import DilationManager, DilationStatus
+from .subchannel import SubchannelConnectorEndpoint, SubchannelListenerEndpoint
+
+
+class DilatedWormhole:
+    def __init__(self, manager: DilationManager) -> None:
+        self._manager = manager
+
+    def when_dilated(self) -> defer.Deferred:
+        """Fires at the first L2 connection (fails if the peer cannot dilate)."""
+        return self._manager.when_dilated()
+
+    def listener_for(self, subprotocol: str) -> SubchannelListenerEndpoint:
+        return SubchannelListenerEndpoint(self._manager, subprotocol)
+
+    def connector_for(self, subprotocol: str) -> SubchannelConnectorEndpoint:
+        return SubchannelConnectorEndpoint(self._manager, subprotocol)
+
+    def status(self) -> DilationStatus:
+        return self._manager.status()
+
+    def stop(self) -> defer.Deferred:
+        return self._manager.stop()
+
+
+def dilate(
+    wormhole: Any,
+    *,
+    relay_url: str | None = None,
+    no_listen: bool = False,
+    listen_addresses: list[str] | None = None,
+    ping_interval: float | None = None,
+    expected_subprotocols: list[str] | tuple[str, ...] = (),
+    on_status: Callable[[DilationStatus], None] | None = None,
+) -> DilatedWormhole:
+    """Start Dilation on a wormhole created with ``dilation=True`` (once per wormhole)."""
+    return wormhole.dilate(
+        relay_url=relay_url,
+        no_listen=no_listen,
+        listen_addresses=listen_addresses,
+        ping_interval=ping_interval,
+        expected_subprotocols=expected_subprotocols,
+        on_status=on_status,
+    )

@@ -1,0 +1,257 @@
+"""One generation's connection attempts (Twisted glue): listen, dial, select.
+
+A :class:`GenerationConnector` listens on a new ephemeral port (unless
+``no_listen``), publishes its hints through the mailbox (direct hints first,
+relay hints in a second message, like the reference), dials the peer's direct
+hints at once and relays after :data:`RELAY_DELAY`, runs an
+:class:`~.connection.L2Connection` on every TCP connection, and hands the
+selected one to the manager. Everything else is aborted.
+
+The Leader selects the first connection whose Follower KCM arrives, waiting
+briefly for a direct one when a relayed one wins the race (``Selection``);
+the Follower takes the connection on which the Leader's KCM arrives.
+"""
+
+from __future__ import annotations
+
+import itertools
+import logging
+from collections.abc import Callable
+from typing import Any
+
+from twisted.internet import defer, endpoints, protocol
+from twisted.python.failure import Failure
+
+from ..transit import hints as H
+from ..transit.connector import local_addresses
+from . import connection as C
+from .records import Record
+
+log = logging.getLogger(__name__)
+
+RELAY_DELAY = 2.0
+PREFER_DIRECT_WINDOW = 0.5
+_ids = itertools.count(1)
+
+
+class L2Protocol(protocol.Protocol):
+    """A TCP connection running the Dilation L2 handshake, then records."""
+
+    def __init__(self, connector: GenerationConnector, conn: C.L2Connection, desc: str) -> None:
+        self.connector = connector
+        self.conn = conn
+        self.description = desc
+        self.id = next(_ids)
+        self.selected = False
+        self.is_relay = False
+        self.owner: Any = None  # the manager, once selected
+        self._held: list[Record] = []
+
+    def connectionMade(self) -> None:
+        self.transport.setTcpNoDelay(True)
+        self._apply(self.conn.connection_made())
+
+    def dataReceived(self, data: bytes) -> None:
+        if self.owner is not None:
+            self.owner._traffic(self)  # every byte proves the path alive, not just records
+        self._apply(self.conn.data_received(data))
+
+    def _apply(self, events: list[C.Event]) -> None:
+        for event in events:
+            match event:
+                case C.Write(data):
+                    self.transport.write(bytes(data) if isinstance(data, bytearray) else data)
+                case C.PeerKCM():
+                    self.connector._peer_kcm(self)
+                case C.RecordReceived(record):
+                    if self.owner is not None:
+                        self.owner._record_received(self, record)
+                    else:
+                        self._held.append(record)  # before selection completes
+                case C.Failed(error):
+                    log.info("dilation %s: %s", self.description, error)
+                    self.transport.abortConnection()
+                case C.HandshakeComplete():
+                    pass
+
+    def attach(self, owner: Any) -> None:
+        """Selected: from now on records go to ``owner``."""
+        self.owner = owner
+        held, self._held = self._held, []
+        for record in held:
+            owner._record_received(self, record)
+
+    def send_record(self, record: Record) -> None:
+        self.transport.write(bytes(self.conn.encode(record)))
+
+    def abort(self) -> None:
+        if self.transport is not None and self.connected:
+            self.transport.abortConnection()
+
+    def connectionLost(self, reason: Failure = protocol.connectionDone) -> None:
+        self.connected = False
+        self.connector._lost(self)
+        if self.owner is not None:
+            self.owner._connection_lost(self)
+
+
+class _Factory(protocol.Factory):
+    def __init__(self, connector: GenerationConnector, relay: bool, desc: str) -> None:
+        self.connector, self.relay, self.desc = connector, relay, desc
+
+    def buildProtocol(self, addr: Any) -> L2Protocol:
+        desc = self.desc or f"direct from {addr.host}:{addr.port}"
+        return self.connector._build(self.relay, desc)
+
+
+class GenerationConnector:
+    """Attempts for one generation; ``on_selected(L2Protocol)`` gets the winner."""
+
+    def __init__(
+        self,
+        reactor: Any,
+        *,
+        dilation_key: bytes,
+        side: str,
+        leader: bool,
+        send_hints: Callable[[list[dict[str, Any]]], None],
+        on_selected: Callable[[L2Protocol], None],
+        relays: list[H.DirectTCPV1Hint],
+        no_listen: bool = False,
+        listen_addresses: list[str] | None = None,
+        prefer_direct_window: float = PREFER_DIRECT_WINDOW,
+    ) -> None:
+        self._reactor = reactor
+        self._key = dilation_key
+        self._side = side
+        self.leader = leader
+        self._send_hints = send_hints
+        self._on_selected = on_selected
+        self._relays = relays
+        self._no_listen = no_listen
+        self._listen_addresses = listen_addresses
+        self._window = prefer_direct_window
+        self._port: Any = None
+        self._protocols: set[L2Protocol] = set()
+        self._pending: list[Any] = []
+        self._dialed: set[tuple[str, int, bool]] = set()
+        self._candidates: list[L2Protocol] = []
+        self._window_timer: Any = None
+        self.winner: L2Protocol | None = None
+        self.stopped = False
+
+    @defer.inlineCallbacks
+    def start(self) -> Any:
+        if not self._no_listen:
+            ep = endpoints.TCP4ServerEndpoint(self._reactor, 0)
+            self._port = yield ep.listen(_Factory(self, False, ""))
+            if self.stopped:
+                self._port.stopListening()
+                return
+            port = self._port.getHost().port
+            addresses = self._listen_addresses or local_addresses()
+            self._send_hints([H.encode_hint(H.DirectTCPV1Hint(a, port, 0.0)) for a in addresses])
+        if self._relays:
+            self._send_hints([H.encode_hint(H.RelayV1Hint(tuple(self._relays)))])
+            for hint in self._relays:
+                self._later(RELAY_DELAY, self._dial, hint, True)
+
+    def add_hints(self, hint_dicts: Any) -> None:
+        if self.stopped or self.winner is not None:
+            return
+        parsed = H.parse_hints(list(hint_dicts))
+        direct = [h for h in parsed if isinstance(h, H.DirectTCPV1Hint)]
+        for hint in direct:
+            self._dial(hint, False)
+        for relay in (h for h in parsed if isinstance(h, H.RelayV1Hint)):
+            for hint in relay.hints:
+                if isinstance(hint, H.DirectTCPV1Hint):
+                    # Give direct paths a head start when the peer offered any.
+                    self._later(
+                        RELAY_DELAY if direct or self._port else 0.0, self._dial, hint, True
+                    )
+        for hint in parsed:
+            if isinstance(hint, H.TorTCPV1Hint):
+                log.info("skipping %s: Tor support is not installed", H.describe(hint))
+
+    def _later(self, delay: float, fn: Callable[..., Any], *args: Any) -> None:
+        self._pending.append(self._reactor.callLater(delay, fn, *args))
+
+    def _dial(self, hint: H.DirectTCPV1Hint, relay: bool) -> None:
+        key = (hint.hostname, hint.port, relay)
+        if self.stopped or self.winner is not None or key in self._dialed:
+            return
+        self._dialed.add(key)
+        desc = ("relay " if relay else "direct ") + H.describe(hint)
+        ep = endpoints.HostnameEndpoint(self._reactor, hint.hostname, hint.port, timeout=10)
+        d = ep.connect(_Factory(self, relay, desc))
+        d.addErrback(lambda f: log.info("dilation %s failed: %s", desc, f.getErrorMessage()))
+        self._pending.append(d)
+
+    def _build(self, relay: bool, desc: str) -> L2Protocol:
+        conn = C.L2Connection(
+            self._key, leader=self.leader, relay_side=self._side if relay else None
+        )
+        p = L2Protocol(self, conn, desc)
+        p.is_relay = relay
+        self._protocols.add(p)
+        return p
+
+    # --- selection ---
+
+    def _peer_kcm(self, p: L2Protocol) -> None:
+        if self.stopped or self.winner is not None:
+            p.abort()
+            return
+        if not self.leader:
+            self._select(p)  # the Leader's KCM arrived here: it chose this one
+            return
+        if not p.is_relay:
+            self._select(p)
+            return
+        self._candidates.append(p)
+        if self._window_timer is None:
+            self._window_timer = self._reactor.callLater(self._window, self._window_closed)
+
+    def _window_closed(self) -> None:
+        self._window_timer = None
+        live = [p for p in self._candidates if p.connected]
+        if live and self.winner is None and not self.stopped:
+            self._select(live[0])
+
+    def _select(self, p: L2Protocol) -> None:
+        self.winner = p
+        p.selected = True
+        if self.leader:
+            p.transport.write(bytes(p.conn.select()))
+        log.info("dilation connected: %s", p.description)
+        self._stop_others()
+        self._on_selected(p)
+
+    def _lost(self, p: L2Protocol) -> None:
+        self._protocols.discard(p)
+        if p in self._candidates:
+            self._candidates.remove(p)
+
+    def _stop_others(self) -> None:
+        if self._window_timer is not None and self._window_timer.active():
+            self._window_timer.cancel()
+        self._window_timer = None
+        for pending in self._pending:
+            if hasattr(pending, "active"):
+                if pending.active():
+                    pending.cancel()
+            elif not pending.called:
+                pending.cancel()
+        self._pending.clear()
+        for p in list(self._protocols):
+            if p is not self.winner:
+                p.abort()
+        if self._port is not None:
+            self._port.stopListening()
+            self._port = None
+
+    def stop(self) -> None:
+        """Abandon this generation (the winner, if any, is the manager's)."""
+        self.stopped = True
+        self._stop_others()

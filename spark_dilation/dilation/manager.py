@@ -1,0 +1,429 @@
+"""The Dilation manager: wires the pure layers to Twisted and the wormhole.
+
+It owns no protocol rules itself. The L1 machine decides when to connect,
+a :class:`~.connector.GenerationConnector` finds each generation's L2
+connection, :class:`~.keepalive.Keepalive` watches it, the L4 queues
+(:mod:`.outbound`, :mod:`.inbound`) make delivery durable, and the
+:class:`~.subchannels.SubchannelTable` runs L5. The manager moves events
+between them and the reactor (sockets, timers, producers).
+"""
+
+from __future__ import annotations
+
+import logging
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from typing import Any
+
+from twisted.internet import defer
+from twisted.internet.interfaces import IHalfCloseableProtocol, IPushProducer
+from zope.interface import implementer
+
+from ..errors import DilationError
+from ..transit import hints as H
+from ..wormhole.keys import derive_key
+from . import keepalive as K
+from . import l1
+from . import l1machine as M
+from . import outbound as O
+from . import subchannels as S
+from .connector import GenerationConnector, L2Protocol
+from .inbound import Inbound
+from .records import Ack, Close, Data, Open, Ping, Pong, Record
+from .subchannel import SubChannel
+
+log = logging.getLogger(__name__)
+
+
+class DilationFailed(DilationError):
+    """Dilation cannot happen (the peer cannot dilate, or it was stopped)."""
+
+
+@dataclass
+class DilationStatus:
+    """A snapshot for UIs: ``on_status(status)`` gets one at every change."""
+
+    role: str | None = None
+    generation: int = -1
+    state: str = "WAITING"
+    connection: str | None = None  # e.g. "direct tcp:10.0.0.2:41234" or "relay ..."
+    subchannels: tuple[str, ...] = ()
+    hints_sent: list[dict[str, Any]] = field(default_factory=list)
+
+
+@implementer(IPushProducer)
+class DilationManager:
+    def __init__(
+        self,
+        wormhole: Any,
+        reactor: Any,
+        *,
+        relay_url: str | None = None,
+        no_listen: bool = False,
+        listen_addresses: list[str] | None = None,
+        ping_interval: float | None = None,
+        expected_subprotocols: list[str] | tuple[str, ...] = (),
+        on_status: Callable[[DilationStatus], None] | None = None,
+        high_water: int = O.DEFAULT_HIGH_WATER,
+        low_water: int = O.DEFAULT_LOW_WATER,
+    ) -> None:
+        self._w = wormhole
+        self._reactor = reactor
+        self._relays = [H.parse_relay_url(relay_url)] if relay_url else []
+        self._no_listen = no_listen
+        self._listen_addresses = listen_addresses
+        self._interval = ping_interval or K.DEFAULT_INTERVAL
+        self._on_status = on_status
+        self._l1 = M.L1Machine()
+        self._outbound = O.Outbound(high_water=high_water, low_water=low_water)
+        self._inbound = Inbound()
+        self._table = S.SubchannelTable(expected_subprotocols=expected_subprotocols)
+        self._channels: dict[int, SubChannel] = {}
+        self._factories: dict[str, Any] = {}
+        self._connector: GenerationConnector | None = None
+        self._l2: L2Protocol | None = None
+        self._keepalive: K.Keepalive | None = None
+        self._ka_timer: Any = None
+        self._dilated: defer.Deferred = defer.Deferred()
+        self._dilated_waiters: list[defer.Deferred] = []
+        self._dilation_key: bytes | None = None
+        self._status = DilationStatus()
+        self.writers_paused = False
+        self._transport_paused = False
+        self._reading_paused = False
+        self._stopped: defer.Deferred | None = None
+
+    # --- start ---
+
+    def start(self) -> None:
+        self._w._set_dilate_handler(self._got_l1)
+        self._apply(self._l1.dilate())
+        self._w.get_peer_versions().addCallbacks(self._got_versions, self._wormhole_failed)
+
+    def _got_versions(self, versions: dict[str, Any]) -> None:
+        self._apply(self._l1.got_versions(versions.get("can-dilate", [])))
+
+    def _wormhole_failed(self, failure: Any) -> None:
+        self._fail_waiters(failure.value)
+
+    def _got_l1(self, plaintext: bytes) -> None:
+        try:
+            self._apply(self._l1.received(plaintext))
+        except DilationError as e:
+            log.warning("ignoring a bad dilation message: %s", e)
+
+    # --- L1 actions ---
+
+    def _apply(self, actions: list[M.Action]) -> None:
+        for action in actions:
+            match action:
+                case M.SendL1(plaintext):
+                    self._w.send_dilate(plaintext)
+                case M.StartConnecting(generation, role):
+                    self._start_generation(generation, role)
+                case M.UseHints(hints):
+                    if self._connector is not None:
+                        self._connector.add_hints(hints)
+                case M.StopConnecting():
+                    if self._connector is not None:
+                        self._connector.stop()
+                        self._connector = None
+                case M.AbandonConnection():
+                    if self._l2 is not None:
+                        self._l2.abort()
+                case M.NoSharedVersion():
+                    self._fail_waiters(
+                        DilationFailed(
+                            "the other side cannot dilate with us: it offered no "
+                            "Dilation version we speak (can-dilate)"
+                        )
+                    )
+                case M.Stopped():
+                    if self._stopped is not None and not self._stopped.called:
+                        self._stopped.callback(None)
+        self._publish_status()
+
+    def _start_generation(self, generation: int, role: l1.Role) -> None:
+        if self._dilation_key is None:
+            key = self._w.shared_key
+            assert key is not None, "L1 runs only after the PAKE"
+            self._dilation_key = derive_key(key, b"dilation-v1", 32)
+        if self._table.role is None:
+            self._table.set_role(role)
+        if self._connector is not None:
+            self._connector.stop()
+
+        def send_hints(hints: list[dict[str, Any]]) -> None:
+            self._status.hints_sent = hints
+            self._w.send_dilate(l1.connection_hints(hints))
+
+        self._connector = GenerationConnector(
+            self._reactor,
+            dilation_key=self._dilation_key,
+            side=self._l1.side,
+            leader=role is l1.Role.LEADER,
+            send_hints=send_hints,
+            on_selected=self._selected,
+            relays=self._relays,
+            no_listen=self._no_listen,
+            listen_addresses=self._listen_addresses,
+        )
+        self._connector.start().addErrback(lambda f: log.error("dilation connector: %s", f.value))
+
+    # --- the selected L2 connection ---
+
+    def _selected(self, p: L2Protocol) -> None:
+        self._l2 = p
+        self._connector = None
+        p.transport.registerProducer(self, True)
+        if self._reading_paused:
+            p.transport.pauseProducing()
+        p.attach(self)
+        for record in self._outbound.use_connection():
+            p.send_record(record)
+        now = self._reactor.seconds()
+        self._keepalive = K.Keepalive(self._interval, leader=p.conn.leader)
+        self._apply_keepalive(self._keepalive.connection_made(now))
+        self._status.connection = p.description
+        self._apply(self._l1.connection_made())
+        for d in self._dilated_waiters:
+            d.callback(None)
+        self._dilated_waiters.clear()
+        if not self._dilated.called:
+            self._dilated.callback(None)
+
+    def _connection_lost(self, p: L2Protocol) -> None:
+        if p is not self._l2:
+            return
+        self._l2 = None
+        self._status.connection = None
+        if self._keepalive is not None:
+            self._keepalive.connection_lost()
+            self._keepalive = None
+        self._cancel_ka_timer()
+        self._outbound.connection_lost()
+        self._transport_paused = False
+        self._update_writers()
+        self._apply(self._l1.connection_lost())
+
+    def _traffic(self, p: L2Protocol) -> None:
+        if p is self._l2 and self._keepalive is not None:
+            self._keepalive.traffic_received(self._reactor.seconds())
+
+    def _record_received(self, p: L2Protocol, record: Record) -> None:
+        if p is not self._l2:
+            return
+        now = self._reactor.seconds()
+        ka = self._keepalive
+        match record:
+            case Ping(ping_id):
+                if ka is not None:
+                    self._apply_keepalive(ka.ping_received(ping_id, now))
+            case Pong(ping_id):
+                if ka is not None:
+                    ka.pong_received(ping_id, now)
+            case Ack(resp_seqnum):
+                if ka is not None:
+                    ka.traffic_received(now)
+                self._apply_outbound(self._outbound.handle_ack(resp_seqnum))
+            case Open() | Data() | Close():
+                if ka is not None:
+                    ka.traffic_received(now)
+                deliver, ack = self._inbound.received(record)
+                p.send_record(ack)
+                if deliver:
+                    self._apply_l5(self._table.received(record))
+            case _:
+                log.info("ignoring unexpected record %r", record)
+
+    # --- keepalive timers ---
+
+    def _apply_keepalive(self, actions: list[K.KeepaliveAction]) -> None:
+        for action in actions:
+            match action:
+                case K.SendRecord(record):
+                    if self._l2 is not None:
+                        self._l2.send_record(record)
+                case K.AbortConnection(reason):
+                    log.warning("dilation: %s; reconnecting", reason)
+                    if self._l2 is not None:
+                        self._l2.abort()
+        self._arm_ka_timer()
+
+    def _arm_ka_timer(self) -> None:
+        self._cancel_ka_timer()
+        if self._keepalive is None:
+            return
+        deadline = self._keepalive.next_deadline()
+        if deadline is not None:
+            delay = max(0.0, deadline - self._reactor.seconds())
+            self._ka_timer = self._reactor.callLater(delay, self._ka_fired)
+
+    def _ka_fired(self) -> None:
+        self._ka_timer = None
+        if self._keepalive is not None:
+            self._apply_keepalive(self._keepalive.timer_fired(self._reactor.seconds()))
+
+    def _cancel_ka_timer(self) -> None:
+        if self._ka_timer is not None and self._ka_timer.active():
+            self._ka_timer.cancel()
+        self._ka_timer = None
+
+    # --- L4 / L5 ---
+
+    def _queue(self, message: O.Unsequenced) -> None:
+        _record, events = self._outbound.queue(message)
+        self._apply_outbound(events)
+
+    def _apply_outbound(self, events: list[O.OutboundEvent]) -> None:
+        for event in events:
+            match event:
+                case O.Transmit(record):
+                    if self._l2 is not None:
+                        self._l2.send_record(record)
+                case O.PauseWriters() | O.ResumeWriters():
+                    self._update_writers()
+
+    def _apply_l5(self, actions: list[S.L5Action]) -> None:
+        for action in actions:
+            match action:
+                case O.SendOpen() | O.SendData() | O.SendClose():
+                    self._queue(action)
+                case S.Accepted(scid, subprotocol):
+                    self._accept(scid, subprotocol)
+                case S.DataReceived(scid, data):
+                    channel = self._channels.get(scid)
+                    if channel is not None:
+                        channel.protocol.dataReceived(data)
+                case S.ConnectionLost(scid):
+                    channel = self._channels.pop(scid, None)
+                    if channel is not None:
+                        channel._connection_lost()
+                case S.ReadConnectionLost(scid):
+                    if scid in self._channels:
+                        self._channels[scid]._connection_lost("read")
+                case S.WriteConnectionLost(scid):
+                    if scid in self._channels:
+                        self._channels[scid]._connection_lost("write")
+                case S.Rejected(scid, subprotocol, reason):
+                    log.warning("refused subchannel %d (%r): %s", scid, subprotocol, reason)
+        self._publish_status()
+
+    def _accept(self, scid: int, subprotocol: str) -> None:
+        factory = self._factories[subprotocol]
+        channel = SubChannel(self, scid, subprotocol)
+        protocol = factory.buildProtocol(channel.getPeer())
+        channel.protocol = protocol
+        self._channels[scid] = channel
+        protocol.makeConnection(channel)
+
+    # --- API used by subchannels and endpoints ---
+
+    def when_dilated(self) -> defer.Deferred:
+        d: defer.Deferred = defer.Deferred()
+        if self._dilated.called:
+            d.callback(None)
+        else:
+            self._dilated_waiters.append(d)
+        return d
+
+    def _fail_waiters(self, error: BaseException) -> None:
+        waiters, self._dilated_waiters = self._dilated_waiters, []
+        for d in waiters:
+            d.errback(error)
+
+    def register_listener(self, subprotocol: str, factory: Any) -> None:
+        half = IHalfCloseableProtocol.implementedBy(getattr(factory, "protocol", object))
+        if subprotocol in self._factories:
+            raise ValueError(f"a listener for {subprotocol!r} is already registered")
+        self._factories[subprotocol] = factory
+        self._apply_l5(self._table.register_listener(subprotocol, half_closeable=bool(half)))
+
+    def open_subchannel(self, subprotocol: str, factory: Any) -> Any:
+        half = IHalfCloseableProtocol.implementedBy(getattr(factory, "protocol", object))
+        message = self._table.open(subprotocol, half_closeable=bool(half))
+        channel = SubChannel(self, message.scid, subprotocol)
+        protocol = factory.buildProtocol(channel.getPeer())
+        channel.protocol = protocol
+        self._channels[message.scid] = channel
+        self._queue(message)
+        protocol.makeConnection(channel)
+        self._publish_status()
+        return protocol
+
+    def subchannel_write(self, scid: int, data: bytes) -> None:
+        self._queue(self._table.write(scid, data))
+
+    def subchannel_lose(self, scid: int) -> None:
+        self._apply_l5(self._table.lose_connection(scid))
+
+    def subchannel_lose_write(self, scid: int) -> None:
+        self._apply_l5(self._table.lose_write_connection(scid))
+
+    # Reading back-pressure: a paused subchannel pauses the whole L2.
+    def pause_reading(self) -> None:
+        self._reading_paused = True
+        if self._l2 is not None:
+            self._l2.transport.pauseProducing()
+            if self._keepalive is not None:
+                self._keepalive.reading_paused(self._reactor.seconds())
+
+    def resume_reading(self) -> None:
+        self._reading_paused = False
+        if self._l2 is not None:
+            self._l2.transport.resumeProducing()
+            if self._keepalive is not None:
+                self._keepalive.reading_resumed(self._reactor.seconds())
+                self._arm_ka_timer()
+
+    # IPushProducer for the L2 transport: TCP buffers full -> pause writers.
+    def pauseProducing(self) -> None:
+        self._transport_paused = True
+        self._update_writers()
+
+    def resumeProducing(self) -> None:
+        self._transport_paused = False
+        self._update_writers()
+
+    def stopProducing(self) -> None:
+        pass
+
+    def _update_writers(self) -> None:
+        paused = self._outbound.writers_paused or self._transport_paused
+        if paused == self.writers_paused:
+            return
+        self.writers_paused = paused
+        for channel in list(self._channels.values()):
+            if channel.producer is not None:
+                if paused:
+                    channel.producer.pauseProducing()
+                else:
+                    channel.producer.resumeProducing()
+
+    # --- status and stop ---
+
+    def _publish_status(self) -> None:
+        s = self._status
+        s.role = self._l1.role.name.lower() if self._l1.role else None
+        s.generation = self._l1.generation
+        s.state = self._l1.state
+        s.subchannels = self._table.status().names
+        if self._on_status is not None:
+            self._on_status(DilationStatus(**vars(s)))
+
+    def status(self) -> DilationStatus:
+        return DilationStatus(**vars(self._status))
+
+    def stop(self) -> defer.Deferred:
+        """Close the Dilation connection and stop reconnecting."""
+        if self._stopped is None:
+            self._stopped = defer.Deferred()
+            self._apply(self._l1.stop())
+            if self._connector is not None:
+                self._connector.stop()
+                self._connector = None
+            self._cancel_ka_timer()
+            self._fail_waiters(DilationFailed("dilation was stopped"))
+        d: defer.Deferred = defer.Deferred()
+        self._stopped.addBoth(lambda r: (d.callback(None), r)[1])
+        return d
