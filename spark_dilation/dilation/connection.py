@@ -78,7 +78,15 @@ class L2Connection:
             else (framing.FOLLOWER_PROLOGUE, framing.LEADER_PROLOGUE)
         )
         relay = framing.relay_handshake(dilation_key, relay_side) if relay_side else None
-        self._framer = framing.Framer(ours, theirs, relay_handshake=relay, max_frame=max_frame)
+        # Until Noise completes only 48-byte handshake messages and the 17-byte
+        # KCM may arrive: a stranger cannot make us buffer a big frame.
+        self._max_frame = max_frame
+        self._framer = framing.Framer(
+            ours,
+            theirs,
+            relay_handshake=relay,
+            max_frame=min(max_frame, noise.HANDSHAKE_MESSAGE_SIZE),
+        )
         self._handshake = noise.NoiseHandshake(dilation_key, leader=leader)
         self._transport: noise.NoiseTransport | None = None
         self.kcm_received = False
@@ -131,6 +139,7 @@ class L2Connection:
         if reply is not None:
             out.append(Write(framing.encode_frame(reply)))
         if self._handshake.complete:
+            self._framer.max_frame = self._max_frame
             self._transport = self._handshake.transport()
             out.append(HandshakeComplete())
             if not self.leader:

@@ -78,6 +78,10 @@ class L1Machine:
         self._dilate_called = False
         self._their_versions: list[Any] | None = None
         self._early_hints: list[dict[str, Any]] = []
+        # The peer's please can arrive before its versions are processed here
+        # (records queued before dilate() are replayed at once, while the
+        # versions come a reactor turn later): keep it for WANTING.
+        self._early_please: l1.PleaseMsg | None = None
 
     # --- inputs from our side ---
 
@@ -97,6 +101,12 @@ class L1Machine:
         actions: list[Action] = [SendL1(l1.please(self.side, self.version))]
         if self.version is None:
             actions.append(NoSharedVersion())  # the reference still sends please
+        if self._early_please is not None:
+            early, self._early_please = self._early_please, None
+            try:
+                actions.extend(self._rx_please(early))
+            except l1.L1Error as e:  # e.g. our own side reflected back: keep our please
+                log.warning("ignoring a bad dilation message: %s", e)
         return actions
 
     def connection_made(self) -> list[Action]:
@@ -152,6 +162,9 @@ class L1Machine:
         return []
 
     def _rx_please(self, msg: l1.PleaseMsg) -> list[Action]:
+        if self.state == "WAITING" and self._early_please is None:
+            self._early_please = msg
+            return []
         if self.state != "WANTING":
             log.info("ignoring a 'please' in state %s", self.state)
             return []

@@ -86,6 +86,7 @@ class DilationManager:
         self._ka_timer: Any = None
         self._dilated: defer.Deferred = defer.Deferred()
         self._dilated_waiters: list[defer.Deferred] = []
+        self._dilation_failure: BaseException | None = None  # later waiters fail with it
         self._dilation_key: bytes | None = None
         self._status = DilationStatus()
         self.writers_paused = False
@@ -153,8 +154,11 @@ class DilationManager:
         if self._connector is not None:
             self._connector.stop()
 
+        # Every hint this generation published (direct and relay messages alike).
+        self._status.hints_sent = []
+
         def send_hints(hints: list[dict[str, Any]]) -> None:
-            self._status.hints_sent = hints
+            self._status.hints_sent = [*self._status.hints_sent, *hints]
             self._w.send_dilate(l1.connection_hints(hints))
 
         self._connector = GenerationConnector(
@@ -323,11 +327,15 @@ class DilationManager:
         d: defer.Deferred = defer.Deferred()
         if self._dilated.called:
             d.callback(None)
+        elif self._dilation_failure is not None:
+            d.errback(self._dilation_failure)
         else:
             self._dilated_waiters.append(d)
         return d
 
     def _fail_waiters(self, error: BaseException) -> None:
+        if self._dilation_failure is None:
+            self._dilation_failure = error
         waiters, self._dilated_waiters = self._dilated_waiters, []
         for d in waiters:
             d.errback(error)
