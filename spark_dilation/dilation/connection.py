@@ -23,7 +23,15 @@ from dataclasses import dataclass
 
 from ..errors import DilationError
 from . import framing, noise
-from .records import KCM, Record, RecordError, decode_record, encode_record
+from .records import (
+    KCM,
+    Data,
+    Record,
+    RecordError,
+    decode_record,
+    encode_data_header,
+    encode_record,
+)
 
 log = logging.getLogger(__name__)
 
@@ -147,7 +155,8 @@ class L2Connection:
 
     def _record_frame(self, payload: bytes | memoryview, out: list[Event]) -> None:
         assert self._transport is not None
-        record = decode_record(self._transport.decrypt_frame(payload))
+        # A view into a reused buffer: decode_record copies what it keeps.
+        record = decode_record(self._transport.decrypt_frame_view(payload))
         if isinstance(record, KCM):
             if self.kcm_received:
                 log.info("ignoring an unexpected second KCM")
@@ -162,16 +171,19 @@ class L2Connection:
             self.failed = True
             out.append(Failed(error))
 
-    def _kcm(self) -> bytearray:
+    def _kcm(self) -> bytes:
         self.kcm_sent = True
         return self.encode(KCM())
 
-    def select(self) -> bytearray:
+    def select(self) -> bytes:
         """(Leader) This connection won: the bytes of our KCM to write on it."""
         assert self.leader and self.ready and not self.kcm_sent
         return self._kcm()
 
-    def encode(self, record: Record) -> bytearray:
+    def encode(self, record: Record) -> bytes:
         """One record as the bytes to write (length prefix and ciphertext)."""
         assert self._transport is not None, "the handshake is not complete"
+        if isinstance(record, Data):  # encrypt header and payload without joining them
+            header = encode_data_header(record.scid, record.seqnum)
+            return self._transport.encrypt_frame_parts(header, record.data)
         return self._transport.encrypt_frame(encode_record(record))

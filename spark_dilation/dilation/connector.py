@@ -55,6 +55,8 @@ class L2Protocol(protocol.Protocol):
         if self.owner is not None:
             self.owner._traffic(self)  # every byte proves the path alive, not just records
         self._apply(self.conn.data_received(data))
+        if self.owner is not None:
+            self.owner._flush_ack(self)  # one cumulative ACK per received chunk
 
     def _apply(self, events: list[C.Event]) -> None:
         for event in events:
@@ -80,6 +82,7 @@ class L2Protocol(protocol.Protocol):
         held, self._held = self._held, []
         for record in held:
             owner._record_received(self, record)
+        owner._flush_ack(self)
 
     def send_record(self, record: Record) -> None:
         self.transport.write(bytes(self.conn.encode(record)))

@@ -93,6 +93,10 @@ class DilationManager:
         self._transport_paused = False
         self._reading_paused = False
         self._stopped: defer.Deferred | None = None
+        # The highest seqnum received in the current chunk, ACKed when the
+        # chunk is done (_flush_ack); -1: none due.
+        self._ack_due = -1
+        self._resume_turn = 0  # rotates which producer resumes first (fairness)
 
     # --- start ---
 
@@ -200,6 +204,7 @@ class DilationManager:
         if p is not self._l2:
             return
         self._l2 = None
+        self._ack_due = -1  # records not ACKed yet are replayed and ACKed on the next one
         self._status.connection = None
         if self._keepalive is not None:
             self._keepalive.connection_lost()
@@ -234,11 +239,21 @@ class DilationManager:
                 if ka is not None:
                     ka.traffic_received(now)
                 deliver, ack = self._inbound.received(record)
-                p.send_record(ack)
+                # ACKs are cumulative (the reference's Outbound.handle_ack
+                # retires every record <= resp_seqnum, as ours does), so one
+                # ACK at the end of each received chunk covers all its records.
+                if ack.resp_seqnum > self._ack_due:
+                    self._ack_due = ack.resp_seqnum
                 if deliver:
                     self._apply_l5(self._table.received(record))
             case _:
                 log.info("ignoring unexpected record %r", record)
+
+    def _flush_ack(self, p: L2Protocol) -> None:
+        """``p`` finished handling a received chunk: send the ACK due for it, if any."""
+        if self._ack_due >= 0 and p is self._l2:
+            p.send_record(Ack(self._ack_due))
+        self._ack_due = -1
 
     # --- keepalive timers ---
 
@@ -311,7 +326,9 @@ class DilationManager:
                         self._channels[scid]._connection_lost("write")
                 case S.Rejected(scid, subprotocol, reason):
                     log.warning("refused subchannel %d (%r): %s", scid, subprotocol, reason)
-        self._publish_status()
+        # Data alone changes nothing a status shows: skip the snapshot per DATA record.
+        if not actions or any(type(a) is not S.DataReceived for a in actions):
+            self._publish_status()
 
     def _accept(self, scid: int, subprotocol: str) -> None:
         factory = self._factories[subprotocol]
@@ -401,7 +418,18 @@ class DilationManager:
         if paused == self.writers_paused:
             return
         self.writers_paused = paused
-        for channel in list(self._channels.values()):
+        channels = list(self._channels.values())
+        if not paused and channels:
+            # Take turns at going first, so one subchannel cannot starve the others.
+            turn = self._resume_turn % len(channels)
+            self._resume_turn += 1
+            channels = channels[turn:] + channels[:turn]
+        for channel in channels:
+            if self.writers_paused != paused:
+                # A producer's write flipped the state again, and that nested
+                # call already told every producer; resuming the rest now
+                # would let them write past the high-water mark.
+                break
             if channel.producer is not None:
                 if paused:
                     channel.producer.pauseProducing()
