@@ -468,6 +468,59 @@ def test_freeze_also_stalls_new_connections(echo_proxy: TcpProxy) -> None:
         assert recv_exact(sock, 5) == b"early"
 
 
+def test_stall_existing_stalls_only_open_connections(echo_proxy: TcpProxy) -> None:
+    with connect(echo_proxy) as stalled:
+        echo_once(stalled)
+        assert echo_proxy.stall_existing() == 1
+        assert not echo_proxy.frozen
+        stalled.sendall(b"are you there?")
+        stalled.settimeout(0.3)
+        with pytest.raises(TimeoutError):
+            stalled.recv(1024)  # silent: no bytes, no FIN, no RST
+
+        with connect(echo_proxy) as fresh:  # new connections flow normally
+            echo_once(fresh, b"new path")
+            assert echo_proxy.connection_count == 2
+        with pytest.raises(TimeoutError):
+            stalled.recv(1024)  # still stalled
+
+        echo_proxy.release()
+        stalled.settimeout(TIMEOUT)
+        assert recv_exact(stalled, 14) == b"are you there?"
+        echo_once(stalled, b"still here")
+    assert echo_proxy.total_connections == 2
+
+
+def test_stall_existing_then_release_while_frozen(echo_proxy: TcpProxy) -> None:
+    with connect(echo_proxy) as sock:
+        echo_once(sock)
+        assert echo_proxy.stall_existing() == 1
+        echo_proxy.freeze()
+        echo_proxy.thaw()  # thaw does not release a stalled connection
+        sock.sendall(b"held")
+        sock.settimeout(0.3)
+        with pytest.raises(TimeoutError):
+            sock.recv(1024)
+        echo_proxy.freeze()
+        echo_proxy.release()  # still frozen: nothing moves yet
+        with pytest.raises(TimeoutError):
+            sock.recv(1024)
+        echo_proxy.thaw()
+        sock.settimeout(TIMEOUT)
+        assert recv_exact(sock, 4) == b"held"
+
+
+def test_drop_connections_resets_stalled_connections(echo_proxy: TcpProxy) -> None:
+    with connect(echo_proxy) as sock:
+        echo_once(sock)
+        assert echo_proxy.stall_existing() == 1
+        assert echo_proxy.drop_connections() == 1
+        assert_closed_by_peer(sock)
+    echo_proxy.release()  # nothing left to release
+    with connect(echo_proxy) as sock:
+        echo_once(sock)
+
+
 def test_drop_connections_while_frozen(echo_proxy: TcpProxy) -> None:
     with connect(echo_proxy) as sock:
         echo_once(sock)

@@ -60,7 +60,7 @@ class _Direction:
 class _Link:
     """One proxied connection: the accepted client socket and our upstream socket."""
 
-    __slots__ = ("client", "closed", "connecting", "down", "masks", "up", "upstream")
+    __slots__ = ("client", "closed", "connecting", "down", "masks", "stalled", "up", "upstream")
 
     def __init__(self, client: socket.socket, upstream: socket.socket, connecting: bool) -> None:
         self.client = client
@@ -70,6 +70,7 @@ class _Link:
         self.down = _Direction(upstream, client)
         self.masks: dict[socket.socket, int] = {client: 0, upstream: 0}
         self.closed = False
+        self.stalled = False  # held by stall_existing() until release()
 
 
 class TcpProxy:
@@ -79,6 +80,12 @@ class TcpProxy:
     event loop and in other processes. Each accepted connection gets its own
     upstream connection; if the target refuses, the client gets a reset.
     Control methods take effect before they return.
+
+    Two ways to stall silently (no FIN, no RST, no bytes): :meth:`freeze`
+    stalls every connection, including ones accepted while frozen, until
+    :meth:`thaw`; :meth:`stall_existing` stalls only the connections open now,
+    like a path whose NAT entry or middlebox silently died, while new
+    connections flow normally, until :meth:`release`.
     """
 
     host = "127.0.0.1"
@@ -172,6 +179,23 @@ class TcpProxy:
     def thaw(self) -> None:
         """Resume forwarding, delivering whatever piled up while frozen."""
         self._call(lambda: self._set_frozen(False))
+
+    def stall_existing(self) -> int:
+        """Stall only the connections open now, silently; returns how many.
+
+        Like :meth:`freeze` for those connections (no FIN, no RST, no bytes),
+        but connections accepted afterwards are forwarded normally. They stay
+        stalled until :meth:`release`; :meth:`thaw` does not release them.
+        """
+        return self._call(self._stall_existing)
+
+    def release(self) -> None:
+        """Let the connections stalled by :meth:`stall_existing` move again.
+
+        Whatever piled up is delivered (unless the proxy is frozen, in which
+        case it is delivered on :meth:`thaw`).
+        """
+        self._call(self._release)
 
     def refuse_new(self, flag: bool = True) -> None:
         """While ``flag`` is true, close new connections as soon as they arrive."""
@@ -306,7 +330,7 @@ class TcpProxy:
                 return
             link.connecting = False
             _no_delay(link.upstream)
-        elif not self._frozen:
+        elif self._moving(link):
             outgoing, incoming = (
                 (link.up, link.down) if sock is link.client else (link.down, link.up)
             )
@@ -359,7 +383,7 @@ class TcpProxy:
             mask = 0
             if link.connecting:
                 mask = _WRITE if sock is link.upstream else 0
-            elif not self._frozen:
+            elif self._moving(link):
                 if not outgoing.eof and len(outgoing.buf) < MAX_PENDING:
                     mask |= _READ
                 if incoming.buf:
@@ -402,11 +426,33 @@ class TcpProxy:
             self._abort(link)
         return len(links)
 
+    def _moving(self, link: _Link) -> bool:
+        """Whether bytes may flow on ``link`` (neither frozen nor stalled)."""
+        return not self._frozen and not link.stalled
+
     def _set_frozen(self, frozen: bool) -> None:
         self._frozen = frozen
-        for link in list(self._links):
-            if not frozen and not link.connecting:
-                # Deliver what piled up, then listen again.
+        self._resume(list(self._links))
+
+    def _stall_existing(self) -> int:
+        links = list(self._links)
+        for link in links:
+            link.stalled = True
+            self._update(link)
+        return len(links)
+
+    def _release(self) -> None:
+        links = [link for link in self._links if link.stalled]
+        for link in links:
+            link.stalled = False
+        self._resume(links)
+
+    def _resume(self, links: list[_Link]) -> None:
+        """After freeze/thaw/release: deliver what piled up if ``links`` may move, re-register."""
+        for link in links:
+            if link.closed:
+                continue
+            if self._moving(link) and not link.connecting:
                 self._flush(link, link.up)
                 if not link.closed:
                     self._flush(link, link.down)

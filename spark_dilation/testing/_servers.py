@@ -201,6 +201,9 @@ def start_server_process(
         deadline = time.monotonic() + timeout
         line = _read_ready_line(proc, deadline)
         if line is None:
+            # EOF can come a moment before the exit: give the child time to finish.
+            with contextlib.suppress(subprocess.TimeoutExpired):
+                proc.wait(timeout=2.0)
             if proc.poll() is not None:
                 problem = f"exited with code {proc.returncode} before it was ready"
             else:
