@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 import pytest
-from test_dilation_l2 import KEY, SIDE, RefEnd, to_ref
+from test_dilation_l2 import KEY, SIDE, RefEnd, pump, to_ref
 from wormhole._dilation import connection as ref_conn
 from wormhole._dilation.connector import build_sided_relay_handshake
 
@@ -46,18 +46,6 @@ class End:
 
     def records(self) -> list:
         return [e.record for e in self.of(C.RecordReceived)]
-
-
-def pump(a, b) -> None:
-    for _ in range(50):
-        x, y = a.take(), b.take()
-        if not x and not y:
-            return
-        if x:
-            b.receive(x)
-        if y:
-            a.receive(y)
-    raise AssertionError("never went quiet")
 
 
 @pytest.mark.parametrize("relay", [False, True], ids=["direct", "relay"])
