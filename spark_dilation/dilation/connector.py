@@ -23,7 +23,7 @@ from twisted.internet import defer, endpoints, protocol
 from twisted.python.failure import Failure
 
 from ..transit import hints as H
-from ..transit.connector import local_addresses
+from ..transit.connector import cancel_pending, local_addresses
 from . import connection as C
 from .records import Record
 
@@ -240,13 +240,7 @@ class GenerationConnector:
         if self._window_timer is not None and self._window_timer.active():
             self._window_timer.cancel()
         self._window_timer = None
-        for pending in self._pending:
-            if hasattr(pending, "active"):
-                if pending.active():
-                    pending.cancel()
-            elif not pending.called:
-                pending.cancel()
-        self._pending.clear()
+        cancel_pending(self._pending)
         for p in list(self._protocols):
             if p is not self.winner:
                 p.abort()

@@ -31,6 +31,19 @@ CONNECT_TIMEOUT = 60.0
 SEND_CHUNK = 256 * 1024
 
 
+def is_pending(item: Any) -> bool:
+    """A connect Deferred not yet fired, or a DelayedCall not yet run."""
+    return item.active() if hasattr(item, "active") else not item.called
+
+
+def cancel_pending(items: list[Any]) -> None:
+    """Cancel every still-pending connect Deferred or DelayedCall, then forget them all."""
+    for item in items:
+        if is_pending(item):
+            item.cancel()
+    items.clear()
+
+
 def local_addresses() -> list[str]:
     """Addresses a peer may reach us on: the default route's, else loopback.
 
@@ -371,20 +384,14 @@ class TransitConnector:
             return
         if self._listening_port is not None or self._connections:
             return  # the peer may still dial us, or a handshake is under way
-        if any(not p.called if not hasattr(p, "active") else p.active() for p in self._pending):
+        if any(is_pending(p) for p in self._pending):
             return
         self._timed_out(all_failed=True)
 
     def _stop_others(self) -> None:
         if self._timer is not None and self._timer.active():
             self._timer.cancel()
-        for p in self._pending:
-            if hasattr(p, "active"):
-                if p.active():
-                    p.cancel()
-            elif not p.called:
-                p.cancel()
-        self._pending.clear()
+        cancel_pending(self._pending)
         for c in list(self._connections):
             if c is not self._winner:
                 c.transport.loseConnection()
