@@ -26,6 +26,7 @@ from ..transit import hints as H
 from ..transit.connector import cancel_pending, local_addresses
 from . import connection as C
 from .records import Record
+from .selection import Drop, Select, Selection
 
 log = logging.getLogger(__name__)
 
@@ -133,12 +134,11 @@ class GenerationConnector:
         self._relays = relays
         self._no_listen = no_listen
         self._listen_addresses = listen_addresses
-        self._window = prefer_direct_window
+        self._selection = Selection(prefer_direct_window)  # the Leader's choice
         self._port: Any = None
         self._protocols: set[L2Protocol] = set()
         self._pending: list[Any] = []
         self._dialed: set[tuple[str, int, bool]] = set()
-        self._candidates: list[L2Protocol] = []
         self._window_timer: Any = None
         self.winner: L2Protocol | None = None
         self.stopped = False
@@ -209,18 +209,31 @@ class GenerationConnector:
         if not self.leader:
             self._select(p)  # the Leader's KCM arrived here: it chose this one
             return
-        if not p.is_relay:
-            self._select(p)
-            return
-        self._candidates.append(p)
-        if self._window_timer is None:
-            self._window_timer = self._reactor.callLater(self._window, self._window_closed)
+        kind = "relay" if p.is_relay else "direct"
+        self._apply_selection(self._selection.candidate(p, kind, self._reactor.seconds()))
 
-    def _window_closed(self) -> None:
+    def _apply_selection(self, actions: list[Select | Drop]) -> None:
+        for action in actions:
+            match action:
+                case Select(winner):
+                    self._select(winner)
+                case Drop(loser):
+                    loser.abort()
+        self._arm_window()
+
+    def _arm_window(self) -> None:
+        """Wake the selection when a relay candidate has waited long enough."""
+        if self._window_timer is not None and self._window_timer.active():
+            self._window_timer.cancel()
         self._window_timer = None
-        live = [p for p in self._candidates if p.connected]
-        if live and self.winner is None and not self.stopped:
-            self._select(live[0])
+        deadline = self._selection.next_deadline()
+        if deadline is not None and not self.stopped:
+            delay = max(0.0, deadline - self._reactor.seconds())
+            self._window_timer = self._reactor.callLater(delay, self._window_fired)
+
+    def _window_fired(self) -> None:
+        self._window_timer = None
+        self._apply_selection(self._selection.timer_fired(self._reactor.seconds()))
 
     def _select(self, p: L2Protocol) -> None:
         self.winner = p
@@ -233,8 +246,8 @@ class GenerationConnector:
 
     def _lost(self, p: L2Protocol) -> None:
         self._protocols.discard(p)
-        if p in self._candidates:
-            self._candidates.remove(p)
+        if self.leader and self.winner is None:
+            self._apply_selection(self._selection.connection_failed(p))
 
     def _stop_others(self) -> None:
         if self._window_timer is not None and self._window_timer.active():
