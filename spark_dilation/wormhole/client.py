@@ -160,6 +160,7 @@ class Wormhole:
         side: str | None = None,
         retry_policy: Callable[[int], float] | None = None,
         dilation: bool = False,
+        keep_nameplate: bool = False,
     ) -> None:
         if versions is None:
             versions = {}
@@ -172,7 +173,9 @@ class Wormhole:
         self._dilator: Any = None
         self._reactor = reactor
         self._url = mailbox_url
-        self._core = core.WormholeCore(appid, versions=versions, side=side)
+        self._core = core.WormholeCore(
+            appid, versions=versions, side=side, keep_nameplate=keep_nameplate
+        )
         self._timeout = timeout
         self._ws: _MailboxProtocol | None = None
         self._ever_connected = False
@@ -323,6 +326,20 @@ class Wormhole:
         if not self._core.closed and "close" not in self._timers:
             self._timers["close"] = self._reactor.callLater(CLOSE_TIMEOUT, self._close_timed_out)
         return self._closed.when().addCallback(self._raise_result)
+
+    def abandon(self) -> None:
+        """Drop the mailbox connection without releasing or closing anything.
+
+        The server keeps our claim on the nameplate and our side of the
+        mailbox, so they stay "crowded" for newcomers: the dataset rendezvous
+        abandons a slot whose peer died this way. Waiters fail with
+        :class:`WormholeClosedError`.
+        """
+        if self._dilator is not None:
+            self._dilator.stop()
+        self._stop_connection()
+        if not self._closed.done:
+            self._finished(WormholeClosedError("the wormhole was abandoned"))
 
     def when_closed(self) -> defer.Deferred:
         """Fires with the close result (None or the error) without closing."""

@@ -200,8 +200,13 @@ class WormholeCore:
         versions: dict[str, Any] | None = None,
         side: str | None = None,
         client_version: tuple[str, str] = ("spark-dilation", __version__),
+        keep_nameplate: bool = False,
     ) -> None:
         self.appid = appid
+        # Keep our claim on the nameplate until close() instead of releasing it at
+        # the peer's first message: the nameplate then stays "crowded" for third
+        # parties as long as we live (the dataset rendezvous relies on this).
+        self.keep_nameplate = keep_nameplate
         self.side = side or os.urandom(5).hex()
         # The plaintext of our "version" phase: {"can-dilate": ..., "app_versions": ...}.
         self._versions = dict(versions or {"app_versions": {}})
@@ -404,7 +409,7 @@ class WormholeCore:
             self.mailbox = msg["mailbox"]
         if not self._mailbox_open and not self.closing:
             self._open_mailbox()
-        if self.their_side is not None:
+        if self.their_side is not None and not self.keep_nameplate:
             self._release()
 
     def _rx_released(self, msg: dict[str, Any]) -> None:
@@ -443,7 +448,8 @@ class WormholeCore:
         if self.their_side is None:
             self.their_side = side
             self._out.append(GotPeer())
-            self._release()
+            if not self.keep_nameplate:
+                self._release()
         elif side != self.their_side:
             log.warning("ignoring a mailbox message from a third side %r", side)
             return

@@ -1,0 +1,532 @@
+"""The receiving side: lanes, their staging on local disk, and reading them back.
+
+A *lane* is one reader partition. Its receiver runs in the background of the
+process that first reads the lane (a Spark Python worker, or the Python
+API's process) and outlives the read task, so a ``show()`` that stops
+reading early does not stop the transfer. It keeps one rendezvous lobby open,
+accepts partition streams on every Dilation connection a sender process
+makes, writes each stream to ``<staging>/<transfer>/lane-<n>/`` as an Arrow
+IPC stream file while it arrives (memory holds only the Dilation buffers),
+renames it into place when the trailer checks out, and only then answers
+"complete". When the manifest has arrived and every partition it lists for
+the lane is staged, the lane writes ``manifest.json`` there: later actions
+(``count()`` after ``show()``) read the staged files and never wait for a
+sender again.
+
+One receiver per lane and machine: an ``flock`` on ``lane-<n>/.lock`` elects
+it; another process reading the same lane meanwhile follows the staged
+files. Lane states (``docs/transfer.md`` has the diagram)::
+
+    STARTING -> RECEIVING (lobby open) -> DONE (manifest + every partition staged)
+    RECEIVING -> ABORTED (the sender's abort) | FAILED (a partition lost with an
+    earlier incarnation: cannot heal)
+"""
+
+from __future__ import annotations
+
+import contextlib
+import fcntl
+import logging
+import os
+import threading
+import time
+import uuid
+from collections.abc import Iterator
+from pathlib import Path
+from typing import Any
+
+import pyarrow as pa
+import pyarrow.ipc as ipc
+
+from ..dilation.blocking import BlockingDilationError, DilationTimeout
+from ..errors import DilationError, TransferError
+from .protocol import (
+    CONTROL_SUBPROTOCOL,
+    PARTITION_SUBPROTOCOL,
+    ROLE_LANE,
+    TAG_ABORT,
+    TAG_DATA,
+    TAG_ERROR,
+    TAG_HEADER,
+    TAG_MANIFEST,
+    TAG_OK,
+    TAG_TRAILER,
+    Complete,
+    LaneBook,
+    Manifest,
+    PartitionAssembler,
+    PartitionHeader,
+    ProtocolError,
+    Trailer,
+    decode_message,
+    encode_json,
+)
+from .rendezvous import RendezvousCancelled, dilate_paired, pair
+from .report import path_of
+from .spec import TransferSpec
+
+log = logging.getLogger(__name__)
+
+MANIFEST_FILE = "manifest.json"
+_POLL = 0.2
+
+
+class TransferAbortedError(TransferError):
+    def __init__(self, reason: str) -> None:
+        super().__init__(f"the sender aborted the transfer: {reason}")
+
+
+class CannotHealError(TransferError):
+    """Partitions were confirmed to a lane incarnation whose data is gone."""
+
+
+class LaneIdleError(TransferError, TimeoutError):
+    pass
+
+
+class LaneStaging:
+    """Files of one lane: ``p<partition>.arrow`` once complete, ``.partial`` while arriving."""
+
+    def __init__(self, root: Path, transfer_id: str, lane: int) -> None:
+        self.dir = Path(root) / transfer_id / f"lane-{lane}"
+
+    def ensure(self) -> None:
+        self.dir.mkdir(parents=True, exist_ok=True)
+
+    def complete_path(self, partition: int) -> Path:
+        return self.dir / f"p{partition:06d}.arrow"
+
+    def partial_path(self, partition: int, attempt: int) -> Path:
+        return self.dir / f".p{partition:06d}-a{attempt}-{uuid.uuid4().hex[:8]}.partial"
+
+    def complete(self) -> dict[int, Path]:
+        out: dict[int, Path] = {}
+        if self.dir.is_dir():
+            for path in self.dir.glob("p*.arrow"):  # p000123.arrow
+                with contextlib.suppress(ValueError):
+                    out[int(path.stem[1:])] = path
+        return out
+
+    def manifest(self) -> Manifest | None:
+        path = self.dir / MANIFEST_FILE
+        if not path.exists():
+            return None
+        return Manifest.from_json(path.read_text())
+
+    def write_manifest(self, manifest: Manifest) -> None:
+        tmp = self.dir / f".{MANIFEST_FILE}.tmp"
+        tmp.write_text(manifest.to_json())
+        os.replace(tmp, self.dir / MANIFEST_FILE)
+
+    def abort_reason(self) -> str | None:
+        path = self.dir / "aborted"
+        return path.read_text() if path.exists() else None
+
+    def write_abort(self, reason: str) -> None:
+        (self.dir / "aborted").write_text(reason)
+
+
+def read_staged(path: Path) -> Iterator[pa.RecordBatch]:
+    with pa.memory_map(str(path)) as source:
+        yield from ipc.open_stream(source)
+
+
+class LaneReceiver:
+    """The background receiver of one lane in this process (see the module docstring)."""
+
+    def __init__(self, spec: TransferSpec, lane: int, staging: LaneStaging, lock_fd: int) -> None:
+        self.spec = spec
+        self.lane = lane
+        self.staging = staging
+        self.incarnation = uuid.uuid4().hex[:12]
+        self.book = LaneBook(spec.transfer_id, lane, spec.lanes, spec.fingerprint)
+        self._lock_fd = lock_fd
+        self._cond = threading.Condition()
+        self._stop = threading.Event()
+        self._connections: list[Any] = []
+        self.error: BaseException | None = None
+        self.finished = False
+        self.last_activity = time.monotonic()
+        self.active_streams = 0
+        self.connections_made = 0
+        self.paths: list[str] = []
+        for partition in staging.complete():
+            # Staged by an earlier incarnation on this machine: still good.
+            self.book.completed(partition, -1, _rows_of(staging.complete_path(partition)))
+
+    # --- lifecycle ---------------------------------------------------------------
+
+    def start(self) -> None:
+        threading.Thread(target=self._lobby, name=f"lane-{self.lane}-lobby", daemon=True).start()
+
+    def stop(self, linger: float = 2.0) -> None:
+        self._stop.set()
+        with self._cond:
+            conns = list(self._connections)
+            self._connections.clear()
+            self._cond.notify_all()
+        for conn in conns:
+            with contextlib.suppress(Exception):
+                self.paths.append(path_of(conn.status().connection))
+            with contextlib.suppress(Exception):
+                conn.close(timeout=10, linger=linger)
+        with contextlib.suppress(OSError):
+            os.close(self._lock_fd)
+        self._lock_fd = -1
+
+    def _finish(self, error: BaseException | None = None) -> None:
+        with self._cond:
+            if self.finished:
+                return
+            self.finished = True
+            self.error = error
+            self._cond.notify_all()
+        threading.Thread(target=self.stop, daemon=True).start()
+
+    # --- lobby and connections -----------------------------------------------------
+
+    def _lobby(self) -> None:
+        opts = self.spec.options
+        slot = 0
+        while not self._stop.is_set():
+            try:
+                paired = pair(
+                    mailbox_url=opts.mailbox_url,
+                    secret=self.spec.secret,
+                    transfer_id=self.spec.transfer_id,
+                    lane=self.lane,
+                    role=ROLE_LANE,
+                    start_slot=slot,
+                    cancel=self._stop,
+                    what=f"senders of lane {self.lane}",
+                )
+                slot = paired.slot + 1
+                conn = dilate_paired(
+                    paired,
+                    relay_url=opts.relay_url,
+                    no_listen=opts.no_listen,
+                    listen=(PARTITION_SUBPROTOCOL, CONTROL_SUBPROTOCOL),
+                    peer_timeout=opts.reconnect_timeout,
+                    timeout=opts.reconnect_timeout,
+                )
+            except RendezvousCancelled:
+                return
+            except DilationError as e:  # mailbox unreachable and the like
+                log.warning("lane %d: rendezvous failed: %s", self.lane, e)
+                self._finish(e)
+                return
+            with self._cond:
+                if self._stop.is_set():
+                    threading.Thread(target=conn.close, daemon=True).start()
+                    return
+                self._connections.append(conn)
+                self.connections_made += 1
+                self.last_activity = time.monotonic()
+            for name, handler in (
+                (PARTITION_SUBPROTOCOL, self._partition),
+                (CONTROL_SUBPROTOCOL, self._control),
+            ):
+                threading.Thread(
+                    target=self._accept_loop, args=(conn, name, handler), daemon=True
+                ).start()
+
+    def _accept_loop(self, conn: Any, name: str, handler: Any) -> None:
+        while not self._stop.is_set():
+            try:
+                channel = conn.accept(name, timeout=0.5)
+            except DilationTimeout:
+                continue
+            except BlockingDilationError as e:
+                log.info("lane %d: a sender connection ended: %s", self.lane, e)
+                with self._cond:
+                    if conn in self._connections:
+                        self._connections.remove(conn)
+                return
+            threading.Thread(target=self._guard, args=(handler, channel), daemon=True).start()
+
+    def _guard(self, handler: Any, channel: Any) -> None:
+        try:
+            handler(channel)
+        except (DilationError, OSError) as e:
+            log.info("lane %d: a stream ended early: %s", self.lane, e)
+        except Exception:
+            log.exception("lane %d: unexpected error in a stream", self.lane)
+        finally:
+            with contextlib.suppress(Exception):
+                channel.close(timeout=5)
+
+    def _touch(self) -> None:
+        with self._cond:
+            self.last_activity = time.monotonic()
+
+    # --- one partition stream -------------------------------------------------------
+
+    def _partition(self, channel: Any) -> None:
+        opts = self.spec.options
+        wait = opts.reconnect_timeout
+        first = channel.receive(timeout=wait)
+        if first is None:
+            return
+        tag, body = decode_message(first)
+        if tag != TAG_HEADER:
+            raise ProtocolError(f"a partition stream must start with a header, not {tag!r}")
+        header = PartitionHeader.from_body(body)
+        with self._cond:
+            decision = self.book.begin(header)
+            self.active_streams += 1
+        try:
+            if decision.action == "refuse":
+                channel.send(encode_json(TAG_ERROR, {"error": decision.reason}))
+                return
+            self._receive_stream(channel, header, decision.action == "discard")
+        finally:
+            with self._cond:
+                self.active_streams -= 1
+                self._cond.notify_all()
+
+    def _receive_stream(self, channel: Any, header: PartitionHeader, discard: bool) -> None:
+        wait = self.spec.options.reconnect_timeout
+        assembler = PartitionAssembler(header)
+        partial = None if discard else self.staging.partial_path(header.partition, header.attempt)
+        out = open(partial, "wb") if partial else None
+        try:
+            while True:
+                message = channel.receive(timeout=wait)
+                if message is None:
+                    raise TransferError(
+                        f"partition {header.partition} attempt {header.attempt} ended before "
+                        "its trailer; the attempt is dropped"
+                    )
+                tag, body = decode_message(message)
+                if tag == TAG_DATA:
+                    assembler.data(body)
+                    if out is not None:
+                        out.write(body)
+                    self._touch()
+                elif tag == TAG_TRAILER:
+                    trailer = Trailer.from_body(body)
+                    assembler.finish(trailer)
+                    break
+                else:
+                    raise ProtocolError(f"unexpected {tag!r} inside a partition stream")
+            if out is not None:
+                out.close()
+                out = None
+            with self._cond:
+                kept = partial is not None and self.book.completed(
+                    header.partition, header.attempt, trailer.rows
+                )
+                if kept:
+                    assert partial is not None
+                    os.replace(partial, self.staging.complete_path(header.partition))
+                    partial = None
+                self._cond.notify_all()
+            channel.send(
+                Complete(
+                    header.partition,
+                    header.attempt,
+                    self.lane,
+                    self.incarnation,
+                    trailer.rows,
+                    duplicate=not kept,
+                ).encode()
+            )
+            self._check_done()
+        finally:
+            if out is not None:
+                out.close()
+            if partial is not None:
+                with contextlib.suppress(FileNotFoundError):
+                    os.unlink(partial)
+
+    # --- control: manifest, abort ----------------------------------------------------
+
+    def _control(self, channel: Any) -> None:
+        message = channel.receive(timeout=self.spec.options.reconnect_timeout)
+        if message is None:
+            return
+        tag, body = decode_message(message)
+        if tag == TAG_MANIFEST:
+            manifest = Manifest.from_body(body)
+            with self._cond:
+                self.book.got_manifest(manifest)
+                self._cond.notify_all()
+            channel.send(encode_json(TAG_OK, {}))
+            self._check_done()
+        elif tag == TAG_ABORT:
+            reason = str(body.get("reason", "no reason given"))
+            with self._cond:
+                self.book.aborted = reason
+            with contextlib.suppress(OSError):
+                self.staging.write_abort(reason)
+            channel.send(encode_json(TAG_OK, {}))
+            self._finish(TransferAbortedError(reason))
+        else:
+            channel.send(encode_json(TAG_ERROR, {"error": f"unexpected {tag!r}"}))
+
+    def _check_done(self) -> None:
+        with self._cond:
+            manifest = self.book.manifest
+            if manifest is None or self.finished:
+                return
+            missing = self.book.missing()
+            if missing and self.active_streams == 0:
+                lost = [c for c in missing if c.incarnation != self.incarnation]
+                if lost:
+                    error = CannotHealError(
+                        f"lane {self.lane} cannot heal: partitions "
+                        f"{', '.join(str(c.partition) for c in lost)} were confirmed to an "
+                        "earlier run of this lane whose staged data is gone (the lane's "
+                        "process or machine was lost after receiving them). Send the "
+                        "dataset again with a new code"
+                    )
+                    self.finished = True
+                    self.error = error
+                    self._cond.notify_all()
+                    threading.Thread(target=self.stop, daemon=True).start()
+                    return
+            if missing:
+                return
+            self.book.check_rows()
+            self.staging.write_manifest(manifest)
+        log.info("lane %d: done, %d partitions", self.lane, len(manifest.for_lane(self.lane)))
+        self._finish(None)
+
+
+def _rows_of(path: Path) -> int:
+    with pa.memory_map(str(path)) as source:
+        return sum(b.num_rows for b in ipc.open_stream(source))
+
+
+def _attempt() -> int:
+    """The Spark task attempt number of the current read task (0 outside Spark)."""
+    try:
+        from pyspark import TaskContext
+
+        ctx = TaskContext.get()
+        return ctx.attemptNumber() if ctx is not None else 0
+    except ImportError:
+        return 0
+
+
+# --- the per-process registry ---------------------------------------------------------------
+
+_registry_lock = threading.Lock()
+_receivers: dict[tuple[str, int], LaneReceiver] = {}
+
+
+def lane_receiver(spec: TransferSpec, lane: int) -> LaneReceiver | None:
+    """This process's receiver of ``lane``, started if this process wins the lane's lock.
+
+    None if another process on this machine holds it (follow its staged files).
+    """
+    key = (spec.transfer_id, lane)
+    with _registry_lock:
+        current = _receivers.get(key)
+        if current is not None and not (current.finished and current.error is not None):
+            return current
+        staging = LaneStaging(spec.options.staging_root, spec.transfer_id, lane)
+        staging.ensure()
+        fd = os.open(staging.dir / ".lock", os.O_RDWR | os.O_CREAT, 0o600)
+        try:
+            fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+        except BlockingIOError:
+            os.close(fd)
+            return None
+        if current is not None:
+            _receivers.pop(key, None)
+        receiver = LaneReceiver(spec, lane, staging, fd)
+        _receivers[key] = receiver
+        receiver.start()
+        return receiver
+
+
+def read_lane(spec: TransferSpec, lane: int) -> Iterator[pa.RecordBatch]:
+    """Every row the lane receives, once: staged partitions as they complete.
+
+    Yields Arrow batches with the transfer's schema. Raises when the sender
+    aborts, a partition cannot heal, or nothing happens for ``idle_timeout``.
+    """
+    staging = LaneStaging(spec.options.staging_root, spec.transfer_id, lane)
+    emitted: set[int] = set()
+    manifest = staging.manifest()
+    if manifest is not None:
+        yield from _emit_manifest(staging, manifest, lane, emitted)
+        return
+    receiver = lane_receiver(spec, lane)
+    idle = spec.options.idle_timeout
+    faults = spec.options.test_fail
+    first_attempt = _attempt() == 0
+    while True:
+        if receiver is not None:
+            with receiver._cond:
+                if not receiver.finished:
+                    receiver._cond.wait(_POLL)
+                finished, error = receiver.finished, receiver.error
+                last = receiver.last_activity
+        else:
+            time.sleep(_POLL)
+            reason = staging.abort_reason()
+            finished = staging.manifest() is not None or reason is not None
+            error = TransferAbortedError(reason) if reason is not None else None
+            last = time.monotonic()
+            receiver = lane_receiver(spec, lane)  # the holder may have died: take over
+        if error is not None:
+            raise error
+        complete = sorted(staging.complete().items())
+        if complete and first_attempt and "lane-before-rows" in faults:
+            raise TransferError(f"test_fail: lane {lane} fails before emitting rows")
+        for partition, path in complete:
+            if partition not in emitted:
+                emitted.add(partition)
+                yield from read_staged(path)
+                if first_attempt and "lane-after-rows" in faults:
+                    _lose_lane(receiver, staging)
+                    raise TransferError(
+                        f"test_fail: lane {lane} fails after emitting rows, losing its staging"
+                    )
+        if finished:
+            manifest = staging.manifest()
+            if manifest is None:
+                raise CannotHealError(f"lane {lane} finished without its manifest")
+            yield from _emit_manifest(staging, manifest, lane, emitted)
+            return
+        if time.monotonic() - last > idle:
+            raise LaneIdleError(
+                f"lane {lane} heard nothing from the sender for {idle:g} s (no connection, no "
+                "data, no final manifest). Check that the writer is still running, or raise "
+                "option idle_timeout"
+            )
+
+
+def _lose_lane(receiver: LaneReceiver | None, staging: LaneStaging) -> None:
+    """Test-only: what losing the lane's machine does (receiver and staged files gone)."""
+    if receiver is not None:
+        with _registry_lock:
+            _receivers.pop((receiver.spec.transfer_id, receiver.lane), None)
+        receiver.stop(linger=0)
+    for path in staging.complete().values():
+        path.unlink(missing_ok=True)
+
+
+def _emit_manifest(
+    staging: LaneStaging, manifest: Manifest, lane: int, emitted: set[int]
+) -> Iterator[pa.RecordBatch]:
+    complete = staging.complete()
+    for c in manifest.for_lane(lane):
+        if c.partition in emitted:
+            continue
+        path = complete.get(c.partition)
+        if path is None:
+            raise CannotHealError(
+                f"lane {lane}: the staged data of partition {c.partition} is gone (staging "
+                f"directory {staging.dir}); read it again only while staging is kept"
+            )
+        emitted.add(c.partition)
+        yield from read_staged(path)
+    extra = emitted - {c.partition for c in manifest.for_lane(lane)}
+    if extra:
+        # Cannot happen with Spark's commit protocol; never silently.
+        raise CannotHealError(
+            f"lane {lane} emitted partitions {sorted(extra)} that the sender did not commit"
+        )

@@ -1,0 +1,139 @@
+"""Options of a dataset transfer, shared by the Spark source/sink and the Python API.
+
+Every deadline says what it waits for; the error raised when it passes names
+the option to change. Spark passes options as strings with lower-cased keys;
+:meth:`TransferOptions.from_strings` validates them.
+"""
+
+from __future__ import annotations
+
+import os
+import tempfile
+from collections.abc import Mapping
+from dataclasses import dataclass, fields, replace
+from pathlib import Path
+from typing import Any
+
+from ..errors import DilationError
+from .protocol import COMPRESSIONS
+
+MAILBOX_ENV = "SPARK_DILATION_MAILBOX"
+RELAY_ENV = "SPARK_DILATION_RELAY"
+
+
+class TransferOptionError(DilationError, ValueError):
+    """A transfer option is unknown or has a value we cannot use."""
+
+
+@dataclass(frozen=True)
+class TransferOptions:
+    """Typed options of one transfer (the README's options table documents each).
+
+    * ``lanes``: receiver-side parallelism; every lane must be able to run at
+      the same time (at most the reader's task slots).
+    * ``peer_timeout``: seconds to wait for the other side to use the code.
+    * ``lane_start_timeout``: seconds a sender waits for a lane to show up
+      (lanes start when the reader runs an action).
+    * ``reconnect_timeout``: seconds a Dilation connection may stay broken
+      before the partitions on it fail.
+    * ``idle_timeout``: seconds a lane waits without any sender activity.
+    * ``compression``: Arrow IPC body compression, ``none``, ``lz4`` or ``zstd``.
+    """
+
+    mailbox: str | None = None
+    relay: str | None = None
+    lanes: int = 2
+    peer_timeout: float = 300.0
+    lane_start_timeout: float = 300.0
+    reconnect_timeout: float = 120.0
+    idle_timeout: float = 600.0
+    compression: str = "none"
+    staging_dir: str | None = None
+    no_listen: bool = False
+    # Test-only fault injection ("" = none); see docs/transfer.md.
+    test_fail: str = ""
+
+    def __post_init__(self) -> None:
+        if self.lanes < 1 or self.lanes > 4096:
+            raise TransferOptionError(f"option lanes={self.lanes} must be between 1 and 4096")
+        for name in ("peer_timeout", "lane_start_timeout", "reconnect_timeout", "idle_timeout"):
+            if not getattr(self, name) > 0:
+                raise TransferOptionError(
+                    f"option {name}={getattr(self, name)!r} must be a positive number of seconds"
+                )
+        if self.compression not in COMPRESSIONS:
+            raise TransferOptionError(
+                f"option compression={self.compression!r} is not one of {', '.join(COMPRESSIONS)}"
+            )
+
+    @property
+    def mailbox_url(self) -> str:
+        if self.mailbox:
+            return self.mailbox
+        if os.environ.get(MAILBOX_ENV):
+            return os.environ[MAILBOX_ENV]
+        from ..wormhole import DEFAULT_MAILBOX_URL
+
+        return DEFAULT_MAILBOX_URL
+
+    @property
+    def relay_url(self) -> str | None:
+        return self.relay or os.environ.get(RELAY_ENV) or None
+
+    @property
+    def staging_root(self) -> Path:
+        if self.staging_dir:
+            return Path(self.staging_dir)
+        return Path(tempfile.gettempdir()) / "spark-dilation"
+
+    def with_(self, **changes: Any) -> TransferOptions:
+        return replace(self, **changes)
+
+    @classmethod
+    def names(cls) -> tuple[str, ...]:
+        return tuple(f.name for f in fields(cls))
+
+    @classmethod
+    def from_strings(
+        cls, options: Mapping[str, str], ignore: tuple[str, ...] = ()
+    ) -> TransferOptions:
+        """From Spark's string options; unknown keys (not in ``ignore``) are an error."""
+        known = {f.name: f for f in fields(cls)}
+        values: dict[str, Any] = {}
+        for key, raw in options.items():
+            name = key.lower()
+            if name in ignore:
+                continue
+            if name not in known:
+                raise TransferOptionError(
+                    f'unknown option {key!r} for format("dilation"); known options are '
+                    f"{', '.join(sorted((*known, *ignore)))}"
+                )
+            values[name] = _parse(name, raw, known[name].type)
+        return cls(**values)
+
+
+def _parse(name: str, raw: Any, kind: Any) -> Any:
+    text = str(raw).strip()
+    kind = str(kind)
+    if kind.startswith("int"):
+        try:
+            return int(text)
+        except ValueError:
+            raise TransferOptionError(f"option {name}={raw!r} must be a whole number") from None
+    if kind.startswith("float"):
+        try:
+            return float(text)
+        except ValueError:
+            raise TransferOptionError(
+                f"option {name}={raw!r} must be a number of seconds"
+            ) from None
+    if kind.startswith("bool"):
+        if text.lower() in ("true", "1", "yes"):
+            return True
+        if text.lower() in ("false", "0", "no"):
+            return False
+        raise TransferOptionError(f"option {name}={raw!r} must be true or false")
+    if kind == "str":
+        return text.lower() if name == "compression" else text
+    return text or None

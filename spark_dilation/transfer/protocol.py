@@ -1,0 +1,622 @@
+"""The dataset transfer protocol, sans-IO: names, derivations, messages, rules.
+
+Nothing here touches a socket, a thread or Spark. The Twisted/blocking glue
+(:mod:`.rendezvous`, :mod:`.sender`, :mod:`.lane`, :mod:`.session`) feeds
+these objects and acts on what they return. ``docs/transfer.md`` describes
+the protocol as a whole; this module is its executable form.
+
+Wire summary (every JSON object is UTF-8, keys as shown):
+
+* Session over the human code (mailbox app messages, appid of the ``wormhole``
+  CLI so one reader accepts a dataset *or* a plain file):
+  sender ``{"dataset-offer": {...}}``, receiver ``{"dataset-accept": {...}}``
+  or ``{"error": "..."}``.
+* Transfer secret: ``derive_key("spark-dilation/transfer-secret/v1", 32)``.
+* Rendezvous slots: nameplate and password derived from the secret, the lane
+  and the slot number (:func:`slot_code`).
+* Partition subchannel ``spark-dilation/partition/v1``: ``H`` header, ``D``
+  Arrow IPC stream bytes (at most about 1 MiB of rows each), ``T`` trailer;
+  answered by ``C`` complete or ``E`` error.
+* Control subchannel ``spark-dilation/control/v1``: ``M`` manifest or ``A``
+  abort; answered by ``K`` or ``E``.
+"""
+
+from __future__ import annotations
+
+import base64
+import hashlib
+import json
+from collections.abc import Iterable, Iterator
+from dataclasses import asdict, dataclass, field
+from typing import Any
+
+import pyarrow as pa
+import pyarrow.ipc as ipc
+
+from ..errors import TransferError
+from ..wormhole.keys import derive_key
+
+PROTOCOL = "spark-dilation/dataset"
+VERSION = 1
+# app_versions entry of the session wormhole: names our protocol and version.
+SESSION_APP_VERSIONS = {PROTOCOL: {"version": VERSION}}
+# The rendezvous wormholes live in their own appid, so their nameplates
+# never collide with codes people type.
+RENDEZVOUS_APPID = "spark-dilation.org/dataset-rendezvous/v1"
+PARTITION_SUBPROTOCOL = "spark-dilation/partition/v1"
+CONTROL_SUBPROTOCOL = "spark-dilation/control/v1"
+SECRET_PURPOSE = "spark-dilation/transfer-secret/v1"
+
+# Rows of one record batch go out in messages of at most about this size.
+MAX_MESSAGE_BYTES = 1024 * 1024
+COMPRESSIONS = ("none", "lz4", "zstd")
+NAMEPLATE_DIGITS = 30  # the server allows digits only, at most 40
+
+ROLE_SENDER = "sender"
+ROLE_LANE = "lane"
+
+
+class ProtocolError(TransferError):
+    """The peer sent something this protocol does not allow."""
+
+
+class SchemaMismatchError(TransferError):
+    """Data arrived whose schema is not the one agreed in the session."""
+
+
+# --- derivations ----------------------------------------------------------------------
+
+
+def transfer_secret(derive: Any) -> bytes:
+    """The 32-byte transfer secret, from a confirmed wormhole's ``derive_key``."""
+    return derive(SECRET_PURPOSE, 32)
+
+
+def slot_code(secret: bytes, lane: int, slot: int) -> str:
+    """The rendezvous code ``NAMEPLATE-PASSWORD`` of one lane's slot.
+
+    Anyone holding the transfer secret computes the same code; nobody else
+    can guess the password (128 bits), and the nameplate (digits only, as the
+    mailbox server requires) reveals nothing about the secret.
+    """
+    if lane < 0 or slot < 0:
+        raise ValueError("lane and slot are non-negative")
+    info = f"rendezvous lane {lane} slot {slot}".encode()
+    number = int.from_bytes(derive_key(secret, info + b" nameplate", 16), "big")
+    nameplate = str(number % 10**NAMEPLATE_DIGITS).rjust(NAMEPLATE_DIGITS, "1")
+    password = derive_key(secret, info + b" password", 16).hex()
+    return f"{nameplate}-{password}"
+
+
+def rendezvous_versions(transfer_id: str, role: str, lane: int) -> dict[str, Any]:
+    """``app_versions`` of a rendezvous wormhole: who we are, so a pairing can be checked."""
+    return {PROTOCOL: {"version": VERSION, "transfer": transfer_id, "role": role, "lane": lane}}
+
+
+def peer_role(app_versions: dict[str, Any], transfer_id: str, lane: int) -> str | None:
+    """The peer's role if it is a rendezvous peer of this transfer and lane, else None."""
+    entry = app_versions.get(PROTOCOL) if isinstance(app_versions, dict) else None
+    if not isinstance(entry, dict):
+        return None
+    if entry.get("transfer") != transfer_id or entry.get("lane") != lane:
+        return None
+    role = entry.get("role")
+    return role if role in (ROLE_SENDER, ROLE_LANE) else None
+
+
+def lane_of(partition: int, lanes: int) -> int:
+    """Sender partition ``p`` goes to lane ``p mod L``."""
+    return partition % lanes
+
+
+# --- schema ----------------------------------------------------------------------------
+
+
+def schema_bytes(schema: pa.Schema) -> bytes:
+    return schema.serialize().to_pybytes()
+
+
+def schema_from_bytes(data: bytes) -> pa.Schema:
+    return ipc.read_schema(pa.py_buffer(data))
+
+
+def schema_fingerprint(schema: pa.Schema) -> str:
+    """Names, types and nullability (not metadata): what must match end to end."""
+    text = json.dumps([[f.name, str(f.type), f.nullable] for f in schema])
+    return hashlib.sha256(text.encode()).hexdigest()[:32]
+
+
+# --- session messages (mailbox, over the human code) ------------------------------------
+
+
+@dataclass(frozen=True)
+class Offer:
+    """The sender's half of the session: what is coming."""
+
+    transfer_id: str
+    schema: pa.Schema
+    compression: str = "none"
+    source: str = "python"  # "spark" or "python": for messages and reports
+
+    def encode(self) -> bytes:
+        body = {
+            "version": VERSION,
+            "transfer": self.transfer_id,
+            "schema": base64.b64encode(schema_bytes(self.schema)).decode(),
+            "compression": self.compression,
+            "source": self.source,
+        }
+        return json.dumps({"dataset-offer": body}).encode()
+
+    @classmethod
+    def decode(cls, body: dict[str, Any]) -> Offer:
+        try:
+            if int(body["version"]) != VERSION:
+                raise ProtocolError(
+                    f"the sender speaks dataset protocol version {body['version']}, we speak "
+                    f"{VERSION}: install the same spark-dilation version on both sides"
+                )
+            compression = str(body.get("compression", "none"))
+            if compression not in COMPRESSIONS:
+                raise ProtocolError(f"the sender asked for unknown compression {compression!r}")
+            return cls(
+                transfer_id=str(body["transfer"]),
+                schema=schema_from_bytes(base64.b64decode(body["schema"])),
+                compression=compression,
+                source=str(body.get("source", "python")),
+            )
+        except (KeyError, TypeError, ValueError, pa.ArrowException) as e:
+            raise ProtocolError(f"the sender's dataset offer is malformed: {e}") from e
+
+
+@dataclass(frozen=True)
+class Accept:
+    """The receiver's half: how many lanes read in parallel."""
+
+    lanes: int
+
+    def encode(self) -> bytes:
+        return json.dumps({"dataset-accept": {"lanes": self.lanes}}).encode()
+
+    @classmethod
+    def decode(cls, body: dict[str, Any]) -> Accept:
+        try:
+            lanes = int(body["lanes"])
+        except (KeyError, TypeError, ValueError) as e:
+            raise ProtocolError(f"the receiver's answer is malformed: {e}") from e
+        if lanes < 1:
+            raise ProtocolError(f"the receiver asked for {lanes} lanes")
+        return cls(lanes)
+
+
+def decode_session_message(data: bytes) -> tuple[str, Any]:
+    """``("offer", Offer)``, ``("accept", Accept)``, ``("error", str)`` or ``("other", dict)``."""
+    try:
+        message = json.loads(data)
+    except ValueError as e:
+        raise ProtocolError(f"the other side sent a message that is not JSON: {e}") from e
+    if not isinstance(message, dict):
+        raise ProtocolError("the other side sent a message that is not a JSON object")
+    if "dataset-offer" in message:
+        return "offer", Offer.decode(message["dataset-offer"])
+    if "dataset-accept" in message:
+        return "accept", Accept.decode(message["dataset-accept"])
+    if "error" in message:
+        return "error", str(message["error"])
+    return "other", message
+
+
+def error_message(text: str) -> bytes:
+    return json.dumps({"error": text}).encode()
+
+
+# --- subchannel messages ------------------------------------------------------------------
+
+TAG_HEADER = b"H"
+TAG_DATA = b"D"
+TAG_TRAILER = b"T"
+TAG_COMPLETE = b"C"
+TAG_ERROR = b"E"
+TAG_MANIFEST = b"M"
+TAG_ABORT = b"A"
+TAG_OK = b"K"
+_JSON_TAGS = (TAG_HEADER, TAG_TRAILER, TAG_COMPLETE, TAG_ERROR, TAG_MANIFEST, TAG_ABORT, TAG_OK)
+
+
+def encode_json(tag: bytes, body: dict[str, Any]) -> bytes:
+    return tag + json.dumps(body, separators=(",", ":")).encode()
+
+
+def decode_message(message: bytes) -> tuple[bytes, Any]:
+    """``(tag, body)``: a dict for JSON messages, a memoryview of the bytes for ``D``."""
+    if not message:
+        raise ProtocolError("empty message on a dataset subchannel")
+    tag = message[:1]
+    if tag == TAG_DATA:
+        return tag, memoryview(message)[1:]
+    if tag not in _JSON_TAGS:
+        raise ProtocolError(f"unknown message tag {tag!r} on a dataset subchannel")
+    try:
+        body = json.loads(message[1:])
+    except ValueError as e:
+        raise ProtocolError(f"malformed {tag.decode()} message: {e}") from e
+    if not isinstance(body, dict):
+        raise ProtocolError(f"malformed {tag.decode()} message: not an object")
+    return tag, body
+
+
+@dataclass(frozen=True)
+class PartitionHeader:
+    transfer_id: str
+    partition: int
+    attempt: int
+    schema: str  # schema_fingerprint
+    compression: str = "none"
+
+    def encode(self) -> bytes:
+        return encode_json(
+            TAG_HEADER,
+            {
+                "transfer": self.transfer_id,
+                "partition": self.partition,
+                "attempt": self.attempt,
+                "schema": self.schema,
+                "compression": self.compression,
+            },
+        )
+
+    @classmethod
+    def from_body(cls, body: dict[str, Any]) -> PartitionHeader:
+        try:
+            return cls(
+                str(body["transfer"]),
+                int(body["partition"]),
+                int(body["attempt"]),
+                str(body["schema"]),
+                str(body.get("compression", "none")),
+            )
+        except (KeyError, TypeError, ValueError) as e:
+            raise ProtocolError(f"malformed partition header: {e}") from e
+
+
+@dataclass(frozen=True)
+class Trailer:
+    rows: int
+    bytes: int
+    checksum: str
+
+    def encode(self) -> bytes:
+        return encode_json(
+            TAG_TRAILER, {"rows": self.rows, "bytes": self.bytes, "checksum": self.checksum}
+        )
+
+    @classmethod
+    def from_body(cls, body: dict[str, Any]) -> Trailer:
+        try:
+            return cls(int(body["rows"]), int(body["bytes"]), str(body["checksum"]))
+        except (KeyError, TypeError, ValueError) as e:
+            raise ProtocolError(f"malformed partition trailer: {e}") from e
+
+
+@dataclass(frozen=True)
+class Complete:
+    """The lane's answer: the partition is safely staged (or was already)."""
+
+    partition: int
+    attempt: int
+    lane: int
+    incarnation: str
+    rows: int
+    duplicate: bool = False
+
+    def encode(self) -> bytes:
+        return encode_json(TAG_COMPLETE, asdict(self))
+
+    @classmethod
+    def from_body(cls, body: dict[str, Any]) -> Complete:
+        try:
+            return cls(
+                int(body["partition"]),
+                int(body["attempt"]),
+                int(body["lane"]),
+                str(body["incarnation"]),
+                int(body["rows"]),
+                bool(body.get("duplicate", False)),
+            )
+        except (KeyError, TypeError, ValueError) as e:
+            raise ProtocolError(f"malformed complete message: {e}") from e
+
+
+@dataclass(frozen=True)
+class CommittedPartition:
+    """One entry of the final manifest (and a sender task's commit message)."""
+
+    partition: int
+    attempt: int
+    lane: int
+    incarnation: str
+    rows: int
+    bytes: int
+
+
+@dataclass(frozen=True)
+class Manifest:
+    transfer_id: str
+    partitions: tuple[CommittedPartition, ...]
+
+    def for_lane(self, lane: int) -> list[CommittedPartition]:
+        return sorted((c for c in self.partitions if c.lane == lane), key=lambda c: c.partition)
+
+    @property
+    def rows(self) -> int:
+        return sum(c.rows for c in self.partitions)
+
+    def encode(self) -> bytes:
+        return encode_json(
+            TAG_MANIFEST,
+            {"transfer": self.transfer_id, "partitions": [asdict(c) for c in self.partitions]},
+        )
+
+    @classmethod
+    def from_body(cls, body: dict[str, Any]) -> Manifest:
+        try:
+            parts = tuple(
+                CommittedPartition(
+                    int(c["partition"]),
+                    int(c["attempt"]),
+                    int(c["lane"]),
+                    str(c["incarnation"]),
+                    int(c["rows"]),
+                    int(c["bytes"]),
+                )
+                for c in body["partitions"]
+            )
+            return cls(str(body["transfer"]), parts)
+        except (KeyError, TypeError, ValueError) as e:
+            raise ProtocolError(f"malformed manifest: {e}") from e
+
+    def to_json(self) -> str:
+        return self.encode()[1:].decode()
+
+    @classmethod
+    def from_json(cls, text: str) -> Manifest:
+        return cls.from_body(json.loads(text))
+
+
+def check_manifest(manifest: Manifest) -> None:
+    """Each partition committed once (Spark's commit protocol guarantees it; we check)."""
+    seen: set[int] = set()
+    for c in manifest.partitions:
+        if c.partition in seen:
+            raise ProtocolError(f"partition {c.partition} appears twice in the manifest")
+        seen.add(c.partition)
+
+
+# --- partition stream: sender side -------------------------------------------------------
+
+
+class _Capture:
+    """A write-only file object that collects what the IPC writer emits."""
+
+    def __init__(self) -> None:
+        self.parts: list[bytes] = []
+        self.closed = False
+
+    def write(self, data: Any) -> int:
+        self.parts.append(bytes(data))
+        return len(data)
+
+    def flush(self) -> None:
+        pass
+
+    def close(self) -> None:
+        self.closed = True
+
+    def take(self) -> bytes:
+        data = b"".join(self.parts)
+        self.parts.clear()
+        return data
+
+
+def split_batch(
+    batch: pa.RecordBatch, max_bytes: int = MAX_MESSAGE_BYTES
+) -> Iterator[pa.RecordBatch]:
+    """Slices of ``batch`` of at most about ``max_bytes`` each (by rows; one row minimum)."""
+    rows = batch.num_rows
+    size = batch.get_total_buffer_size() if rows else 0
+    if rows <= 1 or size <= max_bytes:
+        yield batch
+        return
+    per_row = max(1, size // rows)
+    step = max(1, max_bytes // per_row)
+    for start in range(0, rows, step):
+        yield batch.slice(start, step)
+
+
+class PartitionEncoder:
+    """Turns record batches into the ``D`` messages of one partition stream.
+
+    The bytes of all ``D`` messages, concatenated, are one Arrow IPC stream
+    (schema message first, end-of-stream marker last), so the lane can write
+    them to disk as they come and read them back with ``pyarrow.ipc``.
+    Compression is Arrow IPC body compression (``lz4`` = LZ4 frame, ``zstd``).
+    """
+
+    def __init__(
+        self,
+        schema: pa.Schema,
+        compression: str = "none",
+        max_bytes: int = MAX_MESSAGE_BYTES,
+    ) -> None:
+        if compression not in COMPRESSIONS:
+            raise ValueError(f"compression must be one of {', '.join(COMPRESSIONS)}")
+        self.schema = schema
+        self.max_bytes = max_bytes
+        self._capture = _Capture()
+        options = ipc.IpcWriteOptions(compression=None if compression == "none" else compression)
+        self._writer = ipc.new_stream(self._capture, schema, options=options)
+        self._hash = hashlib.blake2b(digest_size=16)
+        self.rows = 0
+        self.bytes = 0
+        self.messages = 0
+
+    def _emit(self) -> bytes:
+        data = self._capture.take()
+        self._hash.update(data)
+        self.bytes += len(data)
+        self.messages += 1
+        return TAG_DATA + data
+
+    def encode(self, batch: pa.RecordBatch) -> Iterator[bytes]:
+        """``D`` messages for ``batch`` (already cast to the agreed schema)."""
+        for piece in split_batch(batch, self.max_bytes):
+            if piece.num_rows == 0 and self.messages:
+                continue
+            self._writer.write_batch(piece)
+            self.rows += piece.num_rows
+            yield self._emit()
+
+    def finish(self) -> list[bytes]:
+        """The last ``D`` message (end of stream) and the trailer."""
+        self._writer.close()
+        return [self._emit(), Trailer(self.rows, self.bytes, self._hash.hexdigest()).encode()]
+
+
+# --- partition stream: lane side ---------------------------------------------------------
+
+
+@dataclass
+class PartitionAssembler:
+    """Checks one incoming partition stream; the glue writes the bytes where it wants.
+
+    Feed the ``D`` payloads to :meth:`data` in order, then the trailer to
+    :meth:`finish`, which raises :class:`ProtocolError` if the row count or
+    checksum does not match what arrived.
+    """
+
+    header: PartitionHeader
+    max_bytes: int = 1 << 40
+    bytes: int = 0
+    _hash: Any = field(default_factory=lambda: hashlib.blake2b(digest_size=16))
+
+    def data(self, payload: bytes | memoryview) -> None:
+        self.bytes += len(payload)
+        if self.bytes > self.max_bytes:
+            raise ProtocolError(
+                f"partition {self.header.partition} exceeds the {self.max_bytes}-byte limit"
+            )
+        self._hash.update(payload)
+
+    def finish(self, trailer: Trailer) -> None:
+        if trailer.bytes != self.bytes or trailer.checksum != self._hash.hexdigest():
+            raise ProtocolError(
+                f"partition {self.header.partition} attempt {self.header.attempt} arrived "
+                f"damaged: {self.bytes} bytes with checksum {self._hash.hexdigest()}, the "
+                f"sender sent {trailer.bytes} bytes with checksum {trailer.checksum}"
+            )
+
+
+def count_rows(stream: bytes | pa.Buffer) -> int:
+    """Rows in an Arrow IPC stream (reads batch metadata and buffers, zero copy)."""
+    reader = ipc.open_stream(pa.py_buffer(stream) if isinstance(stream, bytes) else stream)
+    return sum(b.num_rows for b in reader)
+
+
+# --- the lane's book -------------------------------------------------------------------------
+
+
+@dataclass(frozen=True)
+class Decision:
+    """What the lane does with an incoming partition stream."""
+
+    action: str  # "receive", "discard" (already have it: answer complete), "refuse"
+    reason: str = ""
+
+
+class LaneBook:
+    """Which partitions a lane holds and what the manifest says: the lane's rules.
+
+    * A partition is kept from the first attempt that completes; later
+      attempts of the same partition are answered "complete" and discarded,
+      so a retried or speculative sender task never duplicates rows.
+    * An attempt that stops before its trailer is never kept (nor emitted).
+    * With the manifest the lane knows its whole share: it is done when it
+      holds every partition the manifest lists for it; a listed partition it
+      does not hold was lost with an earlier lane incarnation, which cannot heal.
+    """
+
+    def __init__(self, transfer_id: str, lane: int, lanes: int, schema: str) -> None:
+        self.transfer_id = transfer_id
+        self.lane = lane
+        self.lanes = lanes
+        self.schema = schema
+        self.held: dict[int, tuple[int, int]] = {}  # partition -> (attempt, rows)
+        self.manifest: Manifest | None = None
+        self.aborted: str | None = None
+
+    def begin(self, header: PartitionHeader) -> Decision:
+        if self.aborted is not None:
+            return Decision("refuse", f"the transfer was aborted: {self.aborted}")
+        if header.transfer_id != self.transfer_id:
+            return Decision("refuse", "this partition belongs to another transfer")
+        if header.schema != self.schema:
+            return Decision(
+                "refuse",
+                f"partition {header.partition} has a different schema than the one agreed "
+                "when the transfer started; every partition must have the DataFrame's schema",
+            )
+        if lane_of(header.partition, self.lanes) != self.lane:
+            return Decision(
+                "refuse",
+                f"partition {header.partition} belongs to lane "
+                f"{lane_of(header.partition, self.lanes)}, not {self.lane}",
+            )
+        if header.partition in self.held:
+            return Decision("discard", "already held")
+        return Decision("receive")
+
+    def completed(self, partition: int, attempt: int, rows: int) -> bool:
+        """Record a complete attempt; False if another attempt got there first."""
+        if partition in self.held:
+            return False
+        self.held[partition] = (attempt, rows)
+        return True
+
+    def got_manifest(self, manifest: Manifest) -> None:
+        if manifest.transfer_id != self.transfer_id:
+            raise ProtocolError("the manifest belongs to another transfer")
+        check_manifest(manifest)
+        self.manifest = manifest
+
+    def missing(self) -> list[CommittedPartition]:
+        """Partitions the manifest lists for this lane that are not held yet."""
+        if self.manifest is None:
+            return []
+        return [c for c in self.manifest.for_lane(self.lane) if c.partition not in self.held]
+
+    def done(self) -> bool:
+        return self.manifest is not None and not self.missing()
+
+    def check_rows(self) -> None:
+        """Held row counts agree with the manifest (a retried attempt must match)."""
+        assert self.manifest is not None
+        for c in self.manifest.for_lane(self.lane):
+            held = self.held.get(c.partition)
+            if held is not None and held[1] != c.rows:
+                raise ProtocolError(
+                    f"partition {c.partition}: the lane holds {held[1]} rows (attempt "
+                    f"{held[0]}) but the committed attempt {c.attempt} had {c.rows}; the "
+                    "sending DataFrame is not deterministic"
+                )
+
+    def committed_partitions(self) -> list[int]:
+        assert self.manifest is not None
+        return [c.partition for c in self.manifest.for_lane(self.lane)]
+
+
+def batches_of(tables: Iterable[pa.Table | pa.RecordBatch]) -> Iterator[pa.RecordBatch]:
+    for t in tables:
+        if isinstance(t, pa.RecordBatch):
+            yield t
+        else:
+            yield from t.to_batches()

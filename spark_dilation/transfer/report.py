@@ -1,0 +1,70 @@
+"""The transfer report: what moved, how, and how long it took."""
+
+from __future__ import annotations
+
+import json
+from collections.abc import Iterable
+from dataclasses import asdict, dataclass
+
+
+@dataclass(frozen=True)
+class ConnectionStats:
+    """What one sending process contributed (carried in each task's commit message)."""
+
+    process: str  # "host:pid"
+    connections_opened: int
+    reconnects: int
+    paths: tuple[str, ...]  # "direct" / "relay" per connection seen
+
+
+@dataclass(frozen=True)
+class TransferReport:
+    rows: int
+    bytes: int
+    partitions: int
+    lanes: int
+    connections: int  # Dilation connections opened by the sending processes
+    reconnects: int
+    path: str  # "direct", "relay", "direct+relay" or "unknown"
+    seconds: float
+    compression: str = "none"
+
+    @property
+    def rows_per_s(self) -> float:
+        return self.rows / self.seconds if self.seconds > 0 else 0.0
+
+    def to_json(self) -> str:
+        return json.dumps({**asdict(self), "rows_per_s": round(self.rows_per_s, 1)})
+
+    def summary(self) -> str:
+        mb = self.bytes / 1e6
+        return (
+            f"{self.rows:,} rows, {mb:,.1f} MB in {self.partitions} partitions over "
+            f"{self.lanes} lanes, {self.connections} Dilation connection(s) ({self.path}), "
+            f"{self.reconnects} reconnect(s), {self.seconds:.1f} s "
+            f"({self.rows_per_s:,.0f} rows/s)"
+        )
+
+
+def path_of(description: str | None) -> str:
+    """``direct``/``relay`` from a Dilation status' connection description."""
+    if not description:
+        return "unknown"
+    return "relay" if "relay" in description else "direct"
+
+
+def combine_paths(paths: Iterable[str]) -> str:
+    seen = sorted({p for p in paths if p != "unknown"})
+    return "+".join(seen) if seen else "unknown"
+
+
+def merge_stats(stats: Iterable[ConnectionStats]) -> tuple[int, int, str]:
+    """(connections, reconnects, path) over the latest stats of each process."""
+    latest: dict[str, ConnectionStats] = {}
+    for s in stats:
+        old = latest.get(s.process)
+        if old is None or s.connections_opened >= old.connections_opened:
+            latest[s.process] = s
+    connections = sum(s.connections_opened for s in latest.values())
+    reconnects = sum(s.reconnects for s in latest.values())
+    return connections, reconnects, combine_paths(p for s in latest.values() for p in s.paths)

@@ -1,0 +1,325 @@
+"""The sending side: the per-process connection pool, partition streams, manifest delivery.
+
+A sender process (a Spark Python worker, or the single process of the
+Python API) keeps at most one Dilation connection per lane of a transfer in
+:class:`ConnectionPool`, made through the rendezvous and reused by every
+partition it sends to that lane, each on its own subchannel. The pool is a
+cache: Spark may kill the worker when it is idle, and a broken connection is
+evicted and made again by the next partition.
+
+Sender task states (``docs/transfer.md`` has the diagram)::
+
+    CONNECTING --pool hit / paired--> STREAMING --trailer sent--> AWAITING_COMPLETE
+    AWAITING_COMPLETE --"C"--> COMMITTED      (the task may succeed)
+    any state --error / "E" / deadline--> FAILED (the lane drops the attempt)
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import socket
+import threading
+import time
+from collections.abc import Iterable
+from concurrent.futures import ThreadPoolExecutor
+from typing import Any
+
+import pyarrow as pa
+
+from ..dilation.blocking import BlockingDilationError, DilationTimeout
+from ..errors import DilationError, TransferError
+from .protocol import (
+    CONTROL_SUBPROTOCOL,
+    PARTITION_SUBPROTOCOL,
+    ROLE_SENDER,
+    TAG_COMPLETE,
+    TAG_ERROR,
+    TAG_OK,
+    CommittedPartition,
+    Complete,
+    Manifest,
+    PartitionEncoder,
+    PartitionHeader,
+    ProtocolError,
+    decode_message,
+    encode_json,
+    lane_of,
+)
+from .rendezvous import RendezvousTimeout, dilate_paired, pair
+from .report import ConnectionStats, path_of
+from .spec import TransferSpec
+
+log = logging.getLogger(__name__)
+
+
+class LaneNotStartedError(TransferError, TimeoutError):
+    def __init__(self, lane: int, lanes: int, timeout: float, what: str = "partition") -> None:
+        super().__init__(
+            f"lane {lane} of {lanes} did not start within {timeout:g} s (waited to send a "
+            f"{what}). The reader runs its lanes when an action (count(), show(), write) runs, "
+            "and all lanes must run at once: set option lanes to at most the reader's task "
+            "slots, start the reader's action sooner, or raise option lane_start_timeout"
+        )
+
+
+class LaneLostError(TransferError):
+    """The lane went away before it confirmed the partition; a retry sends it again."""
+
+
+class LaneRefusedError(TransferError):
+    """The lane refused the partition (schema mismatch, aborted transfer, ...)."""
+
+
+class InjectedFailure(TransferError):
+    """A test-only failure requested with option ``test_fail``."""
+
+
+def process_name() -> str:
+    return f"{socket.gethostname()}:{os.getpid()}"
+
+
+class ConnectionPool:
+    """Dilation connections of this process, one per (transfer, lane); thread-safe."""
+
+    def __init__(self) -> None:
+        self._lock = threading.Lock()
+        self._conns: dict[tuple[str, int], Any] = {}
+        self._making: dict[tuple[str, int], threading.Lock] = {}
+        self.opened: dict[str, int] = {}  # transfer -> connections opened
+        self.paths: dict[str, list[str]] = {}
+
+    def get(self, spec: TransferSpec, lane: int, deadline: float, what: str = "partition") -> Any:
+        key = (spec.transfer_id, lane)
+        with self._lock:
+            making = self._making.setdefault(key, threading.Lock())
+        with making:
+            with self._lock:
+                conn = self._conns.get(key)
+            if conn is not None and conn._error is None and not conn._closed:
+                return conn
+            if conn is not None:
+                self.evict(spec.transfer_id, lane, conn)
+            conn = self._connect(spec, lane, deadline, what)
+            with self._lock:
+                self._conns[key] = conn
+                self.opened[spec.transfer_id] = self.opened.get(spec.transfer_id, 0) + 1
+            return conn
+
+    def _connect(self, spec: TransferSpec, lane: int, deadline: float, what: str) -> Any:
+        opts = spec.options
+        try:
+            paired = pair(
+                mailbox_url=opts.mailbox_url,
+                secret=spec.secret,
+                transfer_id=spec.transfer_id,
+                lane=lane,
+                role=ROLE_SENDER,
+                deadline=deadline,
+                what=f"lane {lane}",
+            )
+        except RendezvousTimeout:
+            raise LaneNotStartedError(lane, spec.lanes, opts.lane_start_timeout, what) from None
+        conn = dilate_paired(
+            paired,
+            relay_url=opts.relay_url,
+            no_listen=opts.no_listen,
+            listen=(),
+            peer_timeout=opts.reconnect_timeout,
+            timeout=opts.reconnect_timeout,
+        )
+        log.info(
+            "connected to lane %d of transfer %s (slot %d)", lane, spec.transfer_id, paired.slot
+        )
+        return conn
+
+    def evict(self, transfer_id: str, lane: int, conn: Any = None) -> None:
+        with self._lock:
+            current = self._conns.get((transfer_id, lane))
+            if conn is None or current is conn:
+                self._conns.pop((transfer_id, lane), None)
+            else:
+                return
+        if current is not None:
+            threading.Thread(target=_quiet_close, args=(current,), daemon=True).start()
+
+    def stats(self, transfer_id: str) -> ConnectionStats:
+        with self._lock:
+            conns = [c for (t, _), c in self._conns.items() if t == transfer_id]
+            opened = self.opened.get(transfer_id, 0)
+        paths: list[str] = []
+        reconnects = 0
+        for c in conns:
+            try:
+                status = c.status()
+            except DilationError:
+                continue
+            paths.append(path_of(status.connection))
+            reconnects += max(0, status.generation)
+        return ConnectionStats(process_name(), opened, reconnects, tuple(paths))
+
+    def close_transfer(self, transfer_id: str) -> None:
+        with self._lock:
+            keys = [k for k in self._conns if k[0] == transfer_id]
+            conns = [self._conns.pop(k) for k in keys]
+        for c in conns:
+            _quiet_close(c)
+
+
+def _quiet_close(conn: Any) -> None:
+    try:
+        conn.close(timeout=10, linger=2)
+    except Exception as e:  # teardown
+        log.info("closing a pooled connection: %s", e)
+
+
+_POOL = ConnectionPool()
+
+
+def pool() -> ConnectionPool:
+    """This process's pool (one per Python worker; it survives between tasks)."""
+    return _POOL
+
+
+def send_partition(
+    spec: TransferSpec,
+    partition: int,
+    attempt: int,
+    batches: Iterable[pa.RecordBatch],
+    *,
+    connections: ConnectionPool | None = None,
+) -> CommittedPartition:
+    """Stream one partition to its lane and wait for "complete" (blocking).
+
+    Raises :class:`LaneNotStartedError`, :class:`LaneLostError` (retryable:
+    nothing of this attempt is kept by the lane), :class:`LaneRefusedError`.
+    """
+    connections = connections or pool()
+    opts = spec.options
+    lane = lane_of(partition, spec.lanes)
+    deadline = time.monotonic() + opts.lane_start_timeout
+    conn = connections.get(spec, lane, deadline)
+    try:
+        channel = conn.open(PARTITION_SUBPROTOCOL, timeout=opts.lane_start_timeout)
+    except BlockingDilationError as e:
+        connections.evict(spec.transfer_id, lane, conn)
+        raise LaneLostError(f"could not open a subchannel to lane {lane}: {e}") from e
+    encoder = PartitionEncoder(spec.schema, spec.compression)
+    fail_after = _injected_failure(opts.test_fail, "sender-mid-partition", attempt)
+    try:
+        channel.send(
+            PartitionHeader(
+                spec.transfer_id, partition, attempt, spec.fingerprint, spec.compression
+            ).encode(),
+            timeout=opts.reconnect_timeout,
+        )
+        for batch in batches:
+            batch = _conform(batch, spec.schema)
+            for message in encoder.encode(batch):
+                channel.send(message, timeout=opts.reconnect_timeout)
+                if fail_after is not None and encoder.messages >= fail_after:
+                    raise InjectedFailure(
+                        f"test_fail: sender partition {partition} attempt {attempt} fails "
+                        "mid-partition"
+                    )
+        for message in encoder.finish():
+            channel.send(message, timeout=opts.reconnect_timeout)
+        reply = channel.receive(timeout=opts.reconnect_timeout + opts.lane_start_timeout)
+    except DilationTimeout as e:
+        channel.close()
+        raise LaneLostError(f"lane {lane} did not confirm partition {partition}: {e}") from e
+    except BlockingDilationError as e:
+        connections.evict(spec.transfer_id, lane, conn)
+        raise LaneLostError(
+            f"the connection to lane {lane} failed while sending partition {partition}: {e}"
+        ) from e
+    except BaseException:
+        channel.close()  # no trailer: the lane drops this attempt
+        raise
+    channel.close()
+    if reply is None:
+        raise LaneLostError(f"lane {lane} closed partition {partition} without confirming it")
+    tag, body = decode_message(reply)
+    if tag == TAG_ERROR:
+        raise LaneRefusedError(f"lane {lane} refused partition {partition}: {body.get('error')}")
+    if tag != TAG_COMPLETE:
+        raise ProtocolError(f"lane {lane} answered {tag!r} instead of complete")
+    done = Complete.from_body(body)
+    if done.rows != encoder.rows and not done.duplicate:
+        raise ProtocolError(f"lane {lane} counted {done.rows} rows of {encoder.rows}")
+    return CommittedPartition(
+        partition, attempt, lane, done.incarnation, encoder.rows, encoder.bytes
+    )
+
+
+def _conform(batch: pa.RecordBatch, schema: pa.Schema) -> pa.RecordBatch:
+    if batch.schema.equals(schema):
+        return batch
+    try:
+        return pa.RecordBatch.from_arrays(
+            [batch.column(i).cast(f.type) for i, f in enumerate(schema)], schema=schema
+        )
+    except (pa.ArrowException, IndexError) as e:
+        from .protocol import SchemaMismatchError
+
+        raise SchemaMismatchError(
+            f"a batch with schema {batch.schema} does not match the transfer's schema {schema}: {e}"
+        ) from e
+
+
+def _injected_failure(spec: str, kind: str, attempt: int) -> int | None:
+    """Messages after which to fail, if option test_fail asks for ``kind`` on this attempt."""
+    for item in filter(None, (s.strip() for s in spec.split(","))):
+        name, _, rest = item.partition(":")
+        if name == kind and attempt == 0:
+            return int(rest or "2")
+    return None
+
+
+def deliver_control(spec: TransferSpec, message: bytes, *, timeout: float) -> None:
+    """Send the manifest (or an abort) to every lane and wait for each to confirm.
+
+    Runs in a fresh process (Spark's commit()/abort() worker) or at the end of
+    the Python API's send; one connection per lane, in parallel.
+    """
+    errors: list[BaseException] = []
+    deadline = time.monotonic() + timeout
+    connections = ConnectionPool()
+
+    def one(lane: int) -> None:
+        try:
+            conn = connections.get(spec, lane, deadline, what="final manifest")
+            with conn.open(CONTROL_SUBPROTOCOL, timeout=timeout) as channel:
+                channel.send(message, timeout=timeout)
+                reply = channel.receive(timeout=max(1.0, deadline - time.monotonic()))
+            if reply is None:
+                raise LaneLostError(f"lane {lane} closed without confirming the manifest")
+            tag, body = decode_message(reply)
+            if tag == TAG_ERROR:
+                raise LaneRefusedError(f"lane {lane}: {body.get('error')}")
+            if tag != TAG_OK:
+                raise ProtocolError(f"lane {lane} answered {tag!r} to the manifest")
+        except BaseException as e:
+            errors.append(e)
+
+    with ThreadPoolExecutor(max_workers=min(16, spec.lanes)) as ex:
+        list(ex.map(one, range(spec.lanes)))
+    connections.close_transfer(spec.transfer_id)
+    if errors:
+        raise errors[0]
+
+
+def deliver_manifest(spec: TransferSpec, partitions: Iterable[CommittedPartition]) -> Manifest:
+    manifest = Manifest(spec.transfer_id, tuple(sorted(partitions, key=lambda c: c.partition)))
+    deliver_control(spec, manifest.encode(), timeout=spec.options.lane_start_timeout)
+    return manifest
+
+
+def deliver_abort(spec: TransferSpec, reason: str, timeout: float = 30.0) -> None:
+    """Tell every reachable lane the transfer failed (best effort, bounded)."""
+    from .protocol import TAG_ABORT
+
+    try:
+        deliver_control(spec, encode_json(TAG_ABORT, {"reason": reason}), timeout=timeout)
+    except (DilationError, TimeoutError) as e:
+        log.warning("could not tell every lane about the abort: %s", e)

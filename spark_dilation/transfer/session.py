@@ -1,0 +1,263 @@
+"""The session over the human code: one process per side agrees on a transfer.
+
+The sender offers (schema, transfer id, compression), the receiver answers
+with its lane count, and both derive the transfer secret; then the code is
+used up and the session wormhole closes. Everything else is derived from the
+secret (:class:`~.spec.TransferSpec`).
+
+The session uses the ``wormhole`` CLI's appid, so a receiver opens the code
+without knowing what is coming: a dataset sender (its ``app_versions`` name
+our protocol) or a plain file sent with ``wormhole send``, which
+:func:`receive_session` then receives as a file.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import uuid
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import crochet
+import pyarrow as pa
+from twisted.internet import defer
+
+from ..errors import DilationError, PeerRejectedError, TransferError
+from ..transit import offers
+from ..wormhole.blocking import ensure_reactor
+from .options import TransferOptions
+from .protocol import (
+    PROTOCOL,
+    SESSION_APP_VERSIONS,
+    Accept,
+    Offer,
+    ProtocolError,
+    decode_session_message,
+    error_message,
+    schema_bytes,
+    transfer_secret,
+)
+from .spec import TransferSpec
+
+log = logging.getLogger(__name__)
+
+SESSION_APPID = offers.APPID
+
+
+class SessionTimeout(TransferError, TimeoutError):
+    pass
+
+
+def _reactor() -> Any:
+    from twisted.internet import reactor
+
+    return reactor
+
+
+def _wait(result: Any, timeout: float, what: str) -> Any:
+    try:
+        return result.wait(timeout)
+    except crochet.TimeoutError:
+        result.cancel()
+        raise SessionTimeout(f"{what} did not finish within {timeout:g} s") from None
+
+
+class SenderSession:
+    """The sender's session: :meth:`open` returns at once with :attr:`code`; :meth:`wait` agrees.
+
+    ::
+
+        session = SenderSession.open(schema, options, code=None)
+        print(session.code)          # tell the receiver
+        spec = session.wait()        # blocks until the receiver answered
+    """
+
+    def __init__(self, w: Any, code: str, offer: Offer, options: TransferOptions) -> None:
+        self._w = w
+        self.code = code
+        self.offer = offer
+        self.options = options
+
+    @classmethod
+    def open(
+        cls,
+        schema: pa.Schema,
+        options: TransferOptions,
+        *,
+        code: str | None = None,
+        source: str = "python",
+        code_length: int = 2,
+    ) -> SenderSession:
+        from ..wormhole.client import Wormhole
+
+        ensure_reactor()
+        offer = Offer(uuid.uuid4().hex, schema, options.compression, source)
+
+        def start() -> defer.Deferred:
+            w = Wormhole(
+                SESSION_APPID,
+                options.mailbox_url,
+                _reactor(),
+                app_versions=SESSION_APP_VERSIONS,
+                timeout=options.peer_timeout,
+            )
+            if code is None:
+                w.allocate_code(code_length)
+            else:
+                w.set_code(code)
+
+            def got(c: str) -> tuple[Any, str]:
+                return w, c
+
+            def failed(f: Any) -> Any:
+                w.close().addErrback(lambda _: None)
+                return f
+
+            return w.get_code().addCallbacks(got, failed)
+
+        w, got_code = _wait(crochet.run_in_reactor(start)(), 60, "getting a code")
+        return cls(w, got_code, offer, options)
+
+    def wait(self) -> TransferSpec:
+        """Wait for the receiver (``peer_timeout``), exchange offer and answer, close."""
+        w = self._w
+        offer = self.offer
+
+        async def run() -> TransferSpec:
+            try:
+                await w.get_verifier()
+                versions = await w.get_versions()
+                if PROTOCOL not in versions:
+                    raise TransferError(
+                        "the other side is not a spark-dilation dataset receiver (it may be "
+                        "`wormhole receive`, which takes files: send a file with "
+                        "`spark-dilation send --classic FILE` instead)"
+                    )
+                w.send_message(offer.encode())
+                kind, body = decode_session_message(await w.get_message())
+                if kind == "error":
+                    raise PeerRejectedError(body)
+                if kind != "accept":
+                    raise ProtocolError(f"expected the receiver's answer, got {kind}")
+                secret = transfer_secret(w.derive_key)
+            except BaseException:
+                with _suppress():
+                    await w.close()
+                raise
+            await w.close()
+            return TransferSpec(
+                offer.transfer_id,
+                secret,
+                body.lanes,
+                schema_bytes(offer.schema),
+                offer.compression,
+                self.options,
+            )
+
+        return _wait(
+            crochet.run_in_reactor(lambda: defer.ensureDeferred(run()))(),
+            self.options.peer_timeout + 60,
+            "the session with the receiver",
+        )
+
+    def cancel(self) -> None:
+        crochet.run_in_reactor(lambda: self._w.close().addErrback(lambda _: None))()
+
+
+class _suppress:
+    def __enter__(self) -> None:
+        return None
+
+    def __exit__(self, *exc: object) -> bool:
+        return exc[0] is not None and issubclass(exc[0], DilationError)  # type: ignore[arg-type]
+
+
+@dataclass(frozen=True)
+class ReceivedFileResult:
+    """The code carried a plain file (``wormhole send``), now on local disk."""
+
+    received: Any  # transit.filetransfer.ReceivedFile
+
+
+def receive_session(
+    code: str,
+    options: TransferOptions,
+    *,
+    file_dest: Path | None = None,
+    accept_file: bool = True,
+) -> TransferSpec | ReceivedFileResult:
+    """Open ``code`` and agree on a dataset transfer, or receive the file it carries.
+
+    ``file_dest``: where a plain file goes (required to accept one).
+    """
+    from ..transit.connector import TransitConnector
+    from ..transit.filetransfer import ReceivedFile, receive
+    from ..wormhole.client import Wormhole
+
+    ensure_reactor()
+
+    async def run() -> TransferSpec | ReceivedFileResult:
+        reactor = _reactor()
+        w = Wormhole(
+            SESSION_APPID,
+            options.mailbox_url,
+            reactor,
+            app_versions=SESSION_APP_VERSIONS,
+            timeout=options.peer_timeout,
+        )
+        try:
+            w.set_code(code)
+            await w.get_verifier()
+            versions = await w.get_versions()
+            if PROTOCOL not in versions:
+                if not accept_file or file_dest is None:
+                    raise TransferError("the sender offers a file, not a dataset")
+                connector = TransitConnector(
+                    reactor,
+                    is_sender=False,
+                    relay_url=options.relay_url,
+                    no_listen=options.no_listen,
+                )
+                got = await receive(w, file_dest, connector)
+                if not isinstance(got, ReceivedFile):
+                    raise TransferError(
+                        f"the sender offered a text message, not data: {got.message[:80]!r}"
+                    )
+                await w.close()
+                return ReceivedFileResult(got)
+            kind, offer = decode_session_message(await w.get_message())
+            if kind == "error":
+                raise PeerRejectedError(offer)
+            if kind != "offer":
+                raise ProtocolError(f"expected the sender's dataset offer, got {kind}")
+            w.send_message(Accept(options.lanes).encode())
+            secret = transfer_secret(w.derive_key)
+        except BaseException as e:
+            if isinstance(e, ProtocolError):
+                w.send_message(error_message(str(e)))
+            with _suppress():
+                await w.close()
+            raise
+        await w.close()
+        return TransferSpec(
+            offer.transfer_id,
+            secret,
+            options.lanes,
+            schema_bytes(offer.schema),
+            offer.compression,
+            options,
+        )
+
+    return _wait(
+        crochet.run_in_reactor(lambda: defer.ensureDeferred(run()))(),
+        options.peer_timeout + 24 * 3600,
+        "the session with the sender",
+    )
+
+
+def describe(spec: TransferSpec) -> str:
+    return json.dumps(
+        {"transfer": spec.transfer_id, "lanes": spec.lanes, "compression": spec.compression}
+    )

@@ -1,0 +1,43 @@
+"""What every process of a transfer needs, after the session: small and picklable."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from functools import cached_property
+
+import pyarrow as pa
+
+from .options import TransferOptions
+from .protocol import schema_fingerprint, schema_from_bytes
+
+
+@dataclass(frozen=True)
+class TransferSpec:
+    """Derived from the session over the human code; travels inside pickled readers/writers.
+
+    Nothing in it lets anyone reach the other side without the mailbox, and
+    the secret never leaves the two clusters (it is derived by both sides,
+    never sent).
+    """
+
+    transfer_id: str
+    secret: bytes
+    lanes: int
+    schema_ipc: bytes
+    compression: str
+    options: TransferOptions
+
+    @cached_property
+    def schema(self) -> pa.Schema:
+        return schema_from_bytes(self.schema_ipc)
+
+    @cached_property
+    def fingerprint(self) -> str:
+        return schema_fingerprint(self.schema)
+
+    def __getstate__(self) -> dict:
+        # cached_property values are rebuilt after unpickling.
+        return {k: v for k, v in self.__dict__.items() if k not in ("schema", "fingerprint")}
+
+    def __setstate__(self, state: dict) -> None:
+        self.__dict__.update(state)
