@@ -119,7 +119,9 @@ def test_reader_never_comes(opts: dict[str, Any]) -> None:
 
 
 def test_writer_never_comes(opts: dict[str, Any]) -> None:
-    with pytest.raises(PeerTimeoutError, match="nobody used the code 4242-never-comes within 2 seconds"):
+    with pytest.raises(
+        PeerTimeoutError, match="nobody used the code 4242-never-comes within 2 seconds"
+    ):
         receive_dataset("4242-never-comes", peer_timeout=2, **opts)
 
 
