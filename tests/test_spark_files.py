@@ -45,7 +45,6 @@ from pyspark.sql.types import (
 
 from spark_dilation.spark import (
     DilationDataSource,
-    NotSupportedYetError,
     OptionError,
     StagedDataError,
     UnsupportedFormatError,
@@ -550,8 +549,7 @@ def test_missing_code_names_the_option() -> None:
 @pytest.mark.parametrize(
     ("options", "pattern"),
     [
-        ({"code": "7-a-b"}, r"option accept is missing: not supported yet.*\"accept\", \"file\""),
-        ({"code": "7-a-b", "accept": "dataset"}, r"accept='dataset' is not supported yet"),
+        ({"code": "7-a-b", "accept": "maybe"}, r"accept='maybe' is not one of file, dataset"),
         ({"code": "7-a-b", "staged_path": "/x"}, "code and staged_path exclude each other"),
         ({"code": "7-a-b", "accept": "file", "colour": "red"}, "unknown option colour"),
         ({"code": "7-a-b", "accept": "file", "timeout": "soon"}, "timeout='soon'"),
@@ -669,10 +667,11 @@ def test_declared_schema_with_a_code_is_refused() -> None:
         source.reader(StructType([StructField("id", LongType())]))
 
 
-def test_writing_is_not_supported_yet() -> None:
-    source = DilationDataSource({"code": "7-a-b"})
-    with pytest.raises(NotSupportedYetError, match="not supported yet"):
-        source.writer(StructType([]), overwrite=False)
+def test_writer_needs_a_code_and_known_options() -> None:
+    with pytest.raises(OptionError, match=r'option "code" is required to send'):
+        DilationDataSource({}).writer(StructType([]), overwrite=False)
+    with pytest.raises(OptionError, match="unknown option lanez"):
+        DilationDataSource({"code": "7-a-b", "lanez": "2"}).writer(StructType([]), overwrite=False)
 
 
 # --- real Spark ---------------------------------------------------------------------------------

@@ -21,6 +21,7 @@ from __future__ import annotations
 import json
 import logging
 import os
+import shutil
 from collections.abc import Iterator, Mapping
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
@@ -32,8 +33,8 @@ from pyspark.sql.pandas.types import from_arrow_type, to_arrow_schema
 from pyspark.sql.types import DataType, StructField, StructType
 
 from ..errors import DilationError
-from .options import MAILBOX_ENV, RELAY_ENV, OptionError, ReadSettings
-from .receive import receive_file
+from .options import FILE_ONLY_OPTIONS, MAILBOX_ENV, RELAY_ENV, OptionError, ReadSettings
+from .receive import new_staging_dir, receive_file
 from .staged import (
     StagedDataError,
     StagedDataset,
@@ -56,6 +57,21 @@ __all__ = [
 ]
 
 log = logging.getLogger("spark_dilation.spark")
+
+# Options of df.write.format("dilation").
+WRITE_OPTIONS: tuple[str, ...] = (
+    "code",
+    "path",
+    "mailbox",
+    "relay",
+    "peer_timeout",
+    "lane_start_timeout",
+    "reconnect_timeout",
+    "idle_timeout",
+    "compression",
+    "no_listen",
+    "test_fail",
+)
 
 
 class NotSupportedYetError(DilationError, NotImplementedError):
@@ -130,21 +146,47 @@ class DilationDataSource(DataSource):
     def __init__(self, options: Mapping[str, str]) -> None:
         super().__init__(options)  # type: ignore[arg-type]
         # Set by schema() in the planner worker and pickled along with the
-        # instance to every later step: the received data's location and shape.
+        # instance to every later step: the received file's location and
+        # shape, or the agreed dataset transfer.
         self._staged: StagedDataset | None = None
+        self._spec: Any = None
 
     @classmethod
     def name(cls) -> str:
         return "dilation"
 
     def schema(self) -> StructType:
-        """Receive (once) and inspect the data; its Spark schema. Runs in a planner worker."""
+        """Open the code once: a dataset transfer, or a file received now. Planner worker."""
         settings = ReadSettings.from_options(self.options)
-        self._staged = _stage(settings)
-        return to_spark_schema(self._staged.arrow_schema)
+        if settings.staged_path is not None or settings.accept == "file":
+            self._staged = _stage(settings)
+            return to_spark_schema(self._staged.arrow_schema)
+        from ..transfer.session import ReceivedFileResult, receive_session
 
-    def reader(self, schema: StructType) -> StagedFileReader:
-        """A reader of the staged data for ``schema``. Runs in a planner worker, per action."""
+        assert settings.code is not None
+        options = _transfer_options(self.options, settings)
+        dest = new_staging_dir(settings.staging_root)
+        try:
+            result = receive_session(
+                settings.code, options, file_dest=dest, accept_file=settings.accept != "dataset"
+            )
+        except BaseException:
+            shutil.rmtree(dest, ignore_errors=True)
+            raise
+        if isinstance(result, ReceivedFileResult):
+            self._staged = _inspect_received(settings, result.received)
+            return to_spark_schema(self._staged.arrow_schema)
+        shutil.rmtree(dest, ignore_errors=True)
+        self._spec = result
+        log.info("dataset transfer %s agreed: %d lanes", result.transfer_id, result.lanes)
+        return to_spark_schema(result.schema)
+
+    def reader(self, schema: StructType) -> DataSourceReader:
+        """A reader for ``schema``: the lanes of a dataset, or the staged file. Per action."""
+        if self._spec is not None:
+            from .dataset import DatasetReader
+
+            return DatasetReader(self._spec, to_arrow_schema(schema, timezone="UTC"))
         settings = ReadSettings.from_options(self.options)
         staged = self._staged
         if staged is None:
@@ -155,7 +197,7 @@ class DilationDataSource(DataSource):
                 # code works only once.
                 raise OptionError(
                     "a declared schema (.schema(...)) cannot be combined with option code: "
-                    "the file is received while Spark infers its schema. Drop .schema(...) "
+                    "the data is received while Spark infers its schema. Drop .schema(...) "
                     "and cast the columns afterwards, or receive_file() first and read it "
                     "with option staged_path"
                 )
@@ -163,11 +205,35 @@ class DilationDataSource(DataSource):
         return StagedFileReader(staged, to_arrow_schema(schema, timezone="UTC"))
 
     def writer(self, schema: StructType, overwrite: bool) -> Any:
-        """Not implemented yet: writing to a wormhole code comes with dataset transfers."""
-        raise NotSupportedYetError(
-            'df.write.format("dilation") is not supported yet: only reading a file sent '
-            'with `wormhole send` (option("accept", "file")) is implemented'
-        )
+        """Agree on a transfer over the code (waits for the reader); the task-side sender.
+
+        ``append`` and ``overwrite`` both mean "send"; runs in a planner worker.
+        """
+        from ..transfer.session import SenderSession
+        from .dataset import DilationArrowWriter, started_now
+
+        opts = {k.lower(): v for k, v in self.options.items()}
+        code = (opts.get("code") or "").strip()
+        if not code:
+            raise OptionError(
+                'option "code" is required to send: df.write.format("dilation")'
+                '.option("code", "7-guitarist-revenge").mode("append").save(); make one up '
+                "(a number, a hyphen, words) and tell the reader"
+            )
+        unknown = sorted(set(opts) - set(WRITE_OPTIONS))
+        if unknown:
+            raise OptionError(
+                f'unknown option {", ".join(unknown)} for df.write.format("dilation"); '
+                f"known options are {', '.join(WRITE_OPTIONS)}"
+            )
+        from ..transfer.options import TransferOptions
+
+        options = TransferOptions.from_strings(opts, ignore=("code", "path"))
+        arrow_schema = to_arrow_schema(schema, timezone="UTC")
+        session = SenderSession.open(arrow_schema, options, code=code, source="spark")
+        spec = session.wait()
+        log.info("dataset transfer %s agreed: %d lanes", spec.transfer_id, spec.lanes)
+        return DilationArrowWriter(spec, started_now())
 
 
 class StagedFileReader(DataSourceReader):
@@ -192,6 +258,27 @@ class StagedFileReader(DataSourceReader):
             # has no splits at all (an empty Parquet file, say).
             return
         yield from read_split(self.staged, split, self.target)
+
+
+def _transfer_options(options: Mapping[str, str], settings: ReadSettings) -> Any:
+    from ..transfer.options import TransferOptions
+
+    opts = {k.lower(): v for k, v in options.items()}
+    transfer = TransferOptions.from_strings(opts, ignore=FILE_ONLY_OPTIONS)
+    if settings.timeout is not None and "peer_timeout" not in opts:
+        transfer = transfer.with_(peer_timeout=settings.timeout)
+    return transfer
+
+
+def _inspect_received(settings: ReadSettings, received: Any) -> StagedDataset:
+    # The code is used up, so say where the file is and how to read it anyway.
+    try:
+        return _inspect(settings, Path(received.path))
+    except (UnsupportedFormatError, StagedDataError) as exc:
+        raise type(exc)(
+            f"{exc}. The received {received.kind} is kept at {received.path}: read it with "
+            f'.option("staged_path", "{received.path}") and .option("format", ...)'
+        ) from exc
 
 
 def _inspect(settings: ReadSettings, path: Path) -> StagedDataset:
@@ -219,14 +306,7 @@ def _stage(settings: ReadSettings) -> StagedDataset:
         received.size,
         received.sha256,
     )
-    try:
-        return _inspect(settings, Path(received.path))
-    except (UnsupportedFormatError, StagedDataError) as exc:
-        # The code is used up, so say where the file is and how to read it anyway.
-        raise type(exc)(
-            f"{exc}. The received {received.kind} is kept at {received.path}: read it with "
-            f'.option("staged_path", "{received.path}") and .option("format", ...)'
-        ) from exc
+    return _inspect_received(settings, received)
 
 
 def _option_text(value: object) -> str:

@@ -33,7 +33,9 @@ __all__ = [
 
 MAILBOX_ENV = "SPARK_DILATION_MAILBOX"
 RELAY_ENV = "SPARK_DILATION_RELAY"
-ACCEPT_VALUES: tuple[str, ...] = ("file",)
+# "file": only a file sent with `wormhole send`; "dataset": only a dataset
+# sender; unset: whatever the code carries.
+ACCEPT_VALUES: tuple[str, ...] = ("file", "dataset")
 STAGING_DIR_NAME = "spark-dilation"
 
 # Every option the reader understands. "path" is what .load(PATH) sets; it is
@@ -46,6 +48,26 @@ KNOWN_OPTIONS: tuple[str, ...] = (
     "timeout",
     "format",
     "staging_dir",
+    "staged_path",
+    "path",
+    "header",
+    "delimiter",
+    # Dataset transfers (spark_dilation.transfer.options.TransferOptions).
+    "lanes",
+    "peer_timeout",
+    "lane_start_timeout",
+    "reconnect_timeout",
+    "idle_timeout",
+    "compression",
+    "no_listen",
+    "test_fail",
+)
+# Options that only the file path reads; the dataset path ignores them.
+FILE_ONLY_OPTIONS: tuple[str, ...] = (
+    "code",
+    "accept",
+    "timeout",
+    "format",
     "staged_path",
     "path",
     "header",
@@ -140,19 +162,18 @@ class ReadSettings:
         if not staged_path and not code:
             raise OptionError(
                 'option "code" is required: spark.read.format("dilation")'
-                '.option("code", "7-guitarist-revenge").option("accept", "file").load() '
+                '.option("code", "7-guitarist-revenge").load() '
                 "(or option staged_path to read a file received earlier with receive_file())"
             )
 
         accept = (opts.get("accept") or "").strip().lower()
         if staged_path and not accept:
             accept = "file"  # a staged path can only be a file transfer
-        if accept not in ACCEPT_VALUES:
-            shown = f"accept={opts['accept']!r} is" if "accept" in opts else "accept is missing:"
+        if accept and accept not in ACCEPT_VALUES:
             raise OptionError(
-                f'option {shown} not supported yet; set .option("accept", "file") to load a '
-                "file sent with `wormhole send FILE` (Spark-to-Spark dataset transfers are "
-                "not implemented yet)"
+                f"option accept={opts['accept']!r} is not one of file, dataset; leave it unset "
+                "to take whatever the code carries (a dataset, or a file sent with "
+                "`wormhole send`)"
             )
 
         try:

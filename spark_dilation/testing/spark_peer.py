@@ -1,0 +1,126 @@
+"""One side of a Spark-to-Spark dataset transfer, as its own Spark application.
+
+A transfer between two Spark applications needs two processes; tests, the
+demo and the benchmark start this module twice with ``subprocess``::
+
+    python -m spark_dilation.testing.spark_peer send    --code C --mailbox URL --rows N ...
+    python -m spark_dilation.testing.spark_peer receive --code C --mailbox URL --out DIR ...
+
+``send`` generates a deterministic dataset of every common Spark type (or
+the benchmark's three columns with ``--shape bench``), optionally writes it
+to ``--expected DIR`` as Parquet, and writes it with
+``format("dilation")``. ``receive`` loads it, runs ``show()`` then
+``count()``, and writes it to ``--out DIR`` as Parquet. Each side prints one
+JSON line to stdout with what it did (``{"side": ..., "rows": ..., ...}``).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import sys
+import time
+from typing import Any
+
+RICH_COLUMNS = (
+    "id",
+    "CAST(id % 2147483647 AS INT) AS i",
+    "CASE WHEN id % 11 = 0 THEN NULL ELSE id * 1.5 END AS d",
+    "CAST(id / 7 AS DECIMAL(18, 4)) AS dec",
+    "CASE WHEN id % 13 = 0 THEN NULL ELSE concat('s-', CAST(id AS STRING)) END AS s",
+    "CAST(concat('b', CAST(id % 100 AS STRING)) AS BINARY) AS bin",
+    "id % 3 = 0 AS flag",
+    "date_add(DATE'2020-01-01', CAST(id % 1000 AS INT)) AS dt",
+    "timestamp_micros(1600000000000000 + id * 1000) AS ts",
+    "named_struct('a', id, 'b', CASE WHEN id % 5 = 0 THEN NULL ELSE CAST(id AS STRING) END) AS st",
+    "CASE WHEN id % 17 = 0 THEN NULL ELSE array(id, id + 1) END AS arr",
+    "map('k', id, 'j', id * 2) AS m",
+)
+BENCH_COLUMNS = (
+    "id",
+    "CAST(id AS DOUBLE) * 0.5 AS x",
+    "substr(sha2(CAST(id AS STRING), 256), 1, 16) AS s",
+)
+
+
+def session(master: str, name: str, extra: dict[str, str] | None = None) -> Any:
+    os.environ.setdefault("PYSPARK_PYTHON", sys.executable)
+    os.environ.setdefault("SPARK_LOCAL_IP", "127.0.0.1")
+    from pyspark.sql import SparkSession
+
+    builder = (
+        SparkSession.builder.master(master)
+        .appName(name)
+        .config("spark.ui.enabled", "false")
+        .config("spark.sql.session.timeZone", "UTC")
+        .config("spark.sql.shuffle.partitions", "4")
+    )
+    for key, value in (extra or {}).items():
+        builder = builder.config(key, value)
+    spark = builder.getOrCreate()
+    spark.sparkContext.setLogLevel("WARN")
+    return spark
+
+
+def generate(spark: Any, rows: int, partitions: int, shape: str) -> Any:
+    columns = RICH_COLUMNS if shape == "rich" else BENCH_COLUMNS
+    return spark.range(0, rows, numPartitions=partitions).selectExpr(*columns)
+
+
+def main(argv: list[str] | None = None) -> int:
+    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    p.add_argument("side", choices=["send", "receive"])
+    p.add_argument("--code", required=True)
+    p.add_argument("--mailbox", required=True)
+    p.add_argument("--relay")
+    p.add_argument("--master", default="local[2]")
+    p.add_argument("--rows", type=int, default=1000)
+    p.add_argument("--partitions", type=int, default=4)
+    p.add_argument("--shape", choices=["rich", "bench"], default="rich")
+    p.add_argument("--expected", help="send: also write the data here as Parquet")
+    p.add_argument("--out", help="receive: write what arrived here as Parquet")
+    p.add_argument("--no-show", action="store_true", help="receive: skip show() before count()")
+    p.add_argument("--option", action="append", default=[], help="KEY=VALUE for format(dilation)")
+    p.add_argument("--conf", action="append", default=[], help="KEY=VALUE for the SparkSession")
+    args = p.parse_args(argv)
+
+    options = dict(o.split("=", 1) for o in args.option)
+    options.update(code=args.code, mailbox=args.mailbox)
+    if args.relay:
+        options["relay"] = args.relay
+    conf = dict(c.split("=", 1) for c in args.conf)
+    spark = session(args.master, f"spark-dilation-{args.side}", conf)
+    started = time.monotonic()
+    result: dict[str, Any] = {"side": args.side}
+    try:
+        if args.side == "send":
+            df = generate(spark, args.rows, args.partitions, args.shape)
+            if args.expected:
+                df.write.mode("overwrite").parquet(args.expected)
+                result["schema"] = df.schema.json()
+            started = time.monotonic()
+            df.write.format("dilation").options(**options).mode("append").save()
+            result["rows"] = args.rows
+        else:
+            df = spark.read.format("dilation").options(**options).load()
+            result["schema"] = df.schema.json()
+            if not args.no_show:
+                df.show(3, truncate=40)
+            result["count"] = df.count()
+            if args.out:
+                df.write.mode("overwrite").parquet(args.out)
+            result["rows"] = result["count"]
+    except Exception as e:  # one line for the caller; the traceback went to stderr
+        result["error"] = f"{type(e).__name__}: {e}"[:4000]
+        print(json.dumps(result), flush=True)
+        return 1
+    finally:
+        result["seconds"] = round(time.monotonic() - started, 3)
+    print(json.dumps(result), flush=True)
+    spark.stop()
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
