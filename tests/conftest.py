@@ -1,1 +1,41 @@
+"""Shared fixtures: the real wormhole servers and one SparkSession per test process."""
+
+from __future__ import annotations
+
+import os
+import sys
+from collections.abc import Iterator
+
+import pytest
+
 pytest_plugins = ["spark_dilation.testing.fixtures"]
+
+
+@pytest.fixture(scope="session")
+def spark() -> Iterator:
+    """One local[2] SparkSession for the whole run (a cold start takes seconds)."""
+    saved = {k: os.environ.get(k) for k in ("PYSPARK_PYTHON", "SPARK_LOCAL_IP")}
+    # Workers must run this venv's Python (with spark_dilation installed), and
+    # loopback keeps Spark off whatever network the machine has.
+    os.environ["PYSPARK_PYTHON"] = sys.executable
+    os.environ["SPARK_LOCAL_IP"] = "127.0.0.1"
+    from pyspark.sql import SparkSession
+
+    session = (
+        SparkSession.builder.master("local[2]")
+        .appName("spark-dilation-tests")
+        .config("spark.sql.shuffle.partitions", "2")
+        .config("spark.ui.enabled", "false")
+        .config("spark.sql.session.timeZone", "UTC")
+        .getOrCreate()
+    )
+    session.sparkContext.setLogLevel("WARN")
+    try:
+        yield session
+    finally:
+        session.stop()
+        for key, value in saved.items():
+            if value is None:
+                os.environ.pop(key, None)
+            else:
+                os.environ[key] = value

@@ -232,7 +232,7 @@ class ReceivedDataset:
     files: list[Path] = field(default_factory=list)
 
 
-def _wait_lanes(spec: TransferSpec) -> tuple[list[Manifest], int, list[str]]:
+def _wait_lanes(spec: TransferSpec) -> tuple[list[Manifest], int, int, list[str]]:
     receivers = [lane_receiver(spec, lane) for lane in range(spec.lanes)]
     if any(r is None for r in receivers):
         raise TransferError("another process on this machine is already receiving this transfer")
@@ -255,15 +255,17 @@ def _wait_lanes(spec: TransferSpec) -> tuple[list[Manifest], int, list[str]]:
             raise r.error
     manifests = []
     paths = []
-    connections = 0
+    connections = reconnects = 0
     for r in receivers:
         assert r is not None
+        r.stop(linger=0)  # idempotent; records paths and reconnects
         manifest = r.staging.manifest()
         assert manifest is not None
         manifests.append(manifest)
         connections += r.connections_made
+        reconnects += r.reconnects
         paths.extend(r.paths)
-    return manifests, connections, paths
+    return manifests, connections, reconnects, paths
 
 
 def receive_dataset(
@@ -286,7 +288,7 @@ def receive_dataset(
     started = time.monotonic()
     spec = receive_session(code, opts, accept_file=False)
     assert not isinstance(spec, ReceivedFileResult)
-    manifests, connections, paths = _wait_lanes(spec)
+    manifests, connections, reconnects, paths = _wait_lanes(spec)
     partitions = sorted(
         (c for lane, m in enumerate(manifests) for c in m.for_lane(lane)),
         key=lambda c: c.partition,
@@ -301,7 +303,7 @@ def receive_dataset(
             partitions=len(partitions),
             lanes=spec.lanes,
             connections=connections,
-            reconnects=0,
+            reconnects=reconnects,
             path="+".join(sorted(set(paths))) or "unknown",
             seconds=time.monotonic() - started,
             compression=spec.compression,

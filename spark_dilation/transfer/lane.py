@@ -143,12 +143,14 @@ class LaneReceiver:
         self._lock_fd = lock_fd
         self._cond = threading.Condition()
         self._stop = threading.Event()
+        self._stop_lock = threading.Lock()
         self._connections: list[Any] = []
         self.error: BaseException | None = None
         self.finished = False
         self.last_activity = time.monotonic()
         self.active_streams = 0
         self.connections_made = 0
+        self.reconnects = 0
         self.paths: list[str] = []
         for partition in staging.complete():
             # Staged by an earlier incarnation on this machine: still good.
@@ -160,19 +162,24 @@ class LaneReceiver:
         threading.Thread(target=self._lobby, name=f"lane-{self.lane}-lobby", daemon=True).start()
 
     def stop(self, linger: float = 2.0) -> None:
-        self._stop.set()
-        with self._cond:
-            conns = list(self._connections)
-            self._connections.clear()
-            self._cond.notify_all()
-        for conn in conns:
-            with contextlib.suppress(Exception):
-                self.paths.append(path_of(conn.status().connection))
-            with contextlib.suppress(Exception):
-                conn.close(timeout=10, linger=linger)
-        with contextlib.suppress(OSError):
-            os.close(self._lock_fd)
-        self._lock_fd = -1
+        """Close the lobby and every connection (idempotent; waits for a stop under way)."""
+        with self._stop_lock:
+            self._stop.set()
+            with self._cond:
+                conns = list(self._connections)
+                self._connections.clear()
+                self._cond.notify_all()
+            for conn in conns:
+                with contextlib.suppress(Exception):
+                    status = conn.status()
+                    self.paths.append(path_of(status.connection))
+                    self.reconnects += max(0, status.generation)
+                with contextlib.suppress(Exception):
+                    conn.close(timeout=10, linger=linger)
+            if self._lock_fd >= 0:
+                with contextlib.suppress(OSError):
+                    os.close(self._lock_fd)
+                self._lock_fd = -1
 
     def _finish(self, error: BaseException | None = None) -> None:
         with self._cond:
@@ -351,8 +358,11 @@ class LaneReceiver:
             with self._cond:
                 self.book.got_manifest(manifest)
                 self._cond.notify_all()
-            channel.send(encode_json(TAG_OK, {}))
-            self._check_done()
+            error = self._check_done()
+            if error is not None:
+                channel.send(encode_json(TAG_ERROR, {"error": str(error)}))
+            else:
+                channel.send(encode_json(TAG_OK, {}))
         elif tag == TAG_ABORT:
             reason = str(body.get("reason", "no reason given"))
             with self._cond:
@@ -364,33 +374,42 @@ class LaneReceiver:
         else:
             channel.send(encode_json(TAG_ERROR, {"error": f"unexpected {tag!r}"}))
 
-    def _check_done(self) -> None:
+    def _check_done(self) -> CannotHealError | None:
+        """Finish the lane if the manifest and every listed partition are here.
+
+        Returns the cannot-heal error (also raised to readers) when a listed
+        partition was confirmed to an earlier incarnation whose data is gone:
+        its sender task succeeded, so it will never come again.
+        """
         with self._cond:
             manifest = self.book.manifest
-            if manifest is None or self.finished:
-                return
+            if manifest is None:
+                return None
+            if self.finished:
+                return self.error if isinstance(self.error, CannotHealError) else None
             missing = self.book.missing()
-            if missing and self.active_streams == 0:
-                lost = [c for c in missing if c.incarnation != self.incarnation]
-                if lost:
-                    error = CannotHealError(
-                        f"lane {self.lane} cannot heal: partitions "
-                        f"{', '.join(str(c.partition) for c in lost)} were confirmed to an "
-                        "earlier run of this lane whose staged data is gone (the lane's "
-                        "process or machine was lost after receiving them). Send the "
-                        "dataset again with a new code"
-                    )
-                    self.finished = True
-                    self.error = error
-                    self._cond.notify_all()
-                    threading.Thread(target=self.stop, daemon=True).start()
-                    return
+            lost = [c for c in missing if c.incarnation != self.incarnation]
+            if lost:
+                error = CannotHealError(
+                    f"lane {self.lane} cannot heal: partitions "
+                    f"{', '.join(str(c.partition) for c in lost)} were confirmed to an "
+                    "earlier run of this lane whose staged data is gone (its process or "
+                    "machine was lost after receiving them, and their sender tasks have "
+                    "finished). Nothing was emitted twice or lost silently; send the dataset "
+                    "again with a new code"
+                )
+                self.finished = True
+                self.error = error
+                self._cond.notify_all()
+                threading.Thread(target=self.stop, daemon=True).start()
+                return error
             if missing:
-                return
+                return None
             self.book.check_rows()
             self.staging.write_manifest(manifest)
         log.info("lane %d: done, %d partitions", self.lane, len(manifest.for_lane(self.lane)))
         self._finish(None)
+        return None
 
 
 def _rows_of(path: Path) -> int:
@@ -530,3 +549,17 @@ def _emit_manifest(
         raise CannotHealError(
             f"lane {lane} emitted partitions {sorted(extra)} that the sender did not commit"
         )
+
+
+def lane_connection_statuses() -> list[Any]:
+    """Dilation status of every live lane connection in this process (monitoring, tests)."""
+    with _registry_lock:
+        receivers = list(_receivers.values())
+    statuses = []
+    for receiver in receivers:
+        with receiver._cond:
+            conns = list(receiver._connections)
+        for conn in conns:
+            with contextlib.suppress(DilationError):
+                statuses.append(conn.status())
+    return statuses

@@ -1,0 +1,366 @@
+"""Spark dataset transfers end to end: real Spark, real mailbox server and relay.
+
+A Spark application per side needs its own process: the ``spark_peer``
+helper runs one side with ``subprocess``; the other side is that helper
+again, this process's session-scoped ``local[2]`` session, or the Python API.
+Every test compares content, never only counts.
+"""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+import threading
+import time
+from pathlib import Path
+from typing import Any
+
+import pyarrow as pa
+import pyarrow.dataset as ds
+import pyarrow.parquet as pq
+import pytest
+
+from spark_dilation.testing import TcpProxy
+from spark_dilation.transfer import receive_dataset, send_in_background
+from spark_dilation.transfer.sender import LaneNotStartedError
+
+PEER = [sys.executable, "-m", "spark_dilation.testing.spark_peer"]
+REPORT = "spark-dilation transfer report: "
+
+
+class Side:
+    """One spark_peer process; its stderr goes to a file (Spark is chatty)."""
+
+    def __init__(self, side: str, code: str, servers: Any, tmp: Path, *args: str) -> None:
+        self.stderr_path = tmp / f"{side}-{code}.stderr"
+        self.proc = subprocess.Popen(
+            [
+                *PEER,
+                side,
+                "--code",
+                code,
+                "--mailbox",
+                servers.mailbox_url,
+                "--relay",
+                servers.relay_url,
+                *args,
+            ],
+            stdout=subprocess.PIPE,
+            stderr=self.stderr_path.open("w"),
+        )
+
+    def result(self, timeout: float = 600) -> dict[str, Any]:
+        try:
+            out, _ = self.proc.communicate(timeout=timeout)
+        finally:
+            if self.proc.poll() is None:
+                self.proc.kill()
+        lines = [line for line in out.decode().splitlines() if line.startswith("{")]
+        assert lines, f"no result from {self.proc.args[3]}; stderr:\n{self.stderr()[-3000:]}"
+        return json.loads(lines[-1])
+
+    def stderr(self) -> str:
+        return self.stderr_path.read_text(errors="replace")
+
+    def report(self) -> dict[str, Any]:
+        lines = [line for line in self.stderr().splitlines() if line.startswith(REPORT)]
+        assert lines, "the writer's commit() logged no report"
+        return json.loads(lines[-1][len(REPORT) :])
+
+
+def read_parquet(path: Path | str) -> pa.Table:
+    return ds.dataset(str(path)).to_table().sort_by("id")
+
+
+def assert_same_rows(python_written: Path, spark_written: Path) -> None:
+    """Parquet from the Python API equals Parquet Spark wrote, row for row."""
+    received, expected = read_parquet(python_written), read_parquet(spark_written)
+    # Spark writes timestamps as INT96 (read back as zone-less ns); we keep UTC us.
+    assert str(expected.schema.field("ts").type) == "timestamp[ns]"
+    assert received.num_rows == expected.num_rows
+    assert received.equals(expected.cast(received.schema))
+
+
+def staging(tmp: Path) -> str:
+    return f"staging_dir={tmp / 'staging'}"
+
+
+# --- Spark to Spark ----------------------------------------------------------------------
+
+
+def test_spark_to_spark_all_types_exact(wormhole_servers: Any, tmp_path: Path) -> None:
+    """1M rows of every common type and nulls; content, schema and nullability equal."""
+    code = "11-spark-to-spark"
+    receiver = Side(
+        "receive", code, wormhole_servers, tmp_path, "--out", str(tmp_path / "out"),
+        "--option", staging(tmp_path),
+    )  # fmt: skip
+    sender = Side(
+        "send", code, wormhole_servers, tmp_path, "--rows", "1000000", "--partitions", "4",
+        "--expected", str(tmp_path / "expected"),
+    )  # fmt: skip
+    sent, got = sender.result(), receiver.result()
+    assert "error" not in sent, sent
+    assert "error" not in got, got
+    # Spark's own schemas, field by field: names, types, nullability (nested too).
+    assert json.loads(got["schema"]) == json.loads(sent["schema"])
+    assert got["count"] == 1_000_000  # after show(): the second action reads staging
+    expected, received = read_parquet(tmp_path / "expected"), read_parquet(tmp_path / "out")
+    assert received.num_rows == 1_000_000
+    assert received.equals(expected)
+    report = sender.report()
+    assert report["rows"] == 1_000_000 and report["partitions"] == 4 and report["lanes"] == 2
+
+
+def test_local_clusters_share_connections(wormhole_servers: Any, tmp_path: Path) -> None:
+    """Two executors per side: fewer Dilation connections than partitions."""
+    code = "12-local-cluster"
+    cluster = "local-cluster[2,1,1024]"
+    receiver = Side(
+        "receive", code, wormhole_servers, tmp_path, "--master", cluster, "--no-show",
+        "--out", str(tmp_path / "out"), "--option", "lanes=2", "--option", staging(tmp_path),
+    )  # fmt: skip
+    sender = Side(
+        "send", code, wormhole_servers, tmp_path, "--master", cluster, "--rows", "200000",
+        "--partitions", "8", "--expected", str(tmp_path / "expected"),
+    )  # fmt: skip
+    sent, got = sender.result(), receiver.result()
+    assert "error" not in sent, sent
+    assert "error" not in got, got
+    assert read_parquet(tmp_path / "out").equals(read_parquet(tmp_path / "expected"))
+    report = sender.report()
+    assert report["partitions"] == 8
+    # Each sending Python worker keeps one connection per lane and reuses it.
+    assert 2 <= report["connections"] < report["partitions"], report
+
+
+# --- Python API and Spark -------------------------------------------------------------------
+
+
+def _options(servers: Any, tmp: Path, **extra: Any) -> dict[str, Any]:
+    return {
+        "mailbox": servers.mailbox_url,
+        "relay": servers.relay_url,
+        "staging_dir": str(tmp / "staging"),
+        **extra,
+    }
+
+
+def _load(spark: Any, code: str, servers: Any, tmp: Path, **extra: Any) -> Any:
+    return (
+        spark.read.format("dilation")
+        .option("code", code)
+        .options(**{k: str(v) for k, v in _options(servers, tmp, **extra).items()})
+        .load()
+    )
+
+
+def _rows(df: Any) -> pa.Table:
+    return pa.Table.from_batches(df._collect_as_arrow()).sort_by("id")
+
+
+def test_python_table_and_parquet_into_spark(spark: Any, wormhole_servers: Any, tmp_path: Path):
+    table = pa.table(
+        {
+            "id": pa.array(range(50_000), pa.int64()),
+            "name": pa.array([None if i % 9 == 0 else f"n{i}" for i in range(50_000)]),
+            "score": pa.array([i / 4 for i in range(50_000)]),
+        }
+    )
+    sender, thread, box = send_in_background(table, **_options(wormhole_servers, tmp_path))
+    df = _load(spark, sender.code, wormhole_servers, tmp_path)
+    df.show(2)
+    assert df.count() == 50_000  # show() then count() on the same DataFrame
+    assert _rows(df).equals(table)
+    thread.join(60)
+    assert box["report"].rows == 50_000, box
+
+    path = tmp_path / "data.parquet"
+    pq.write_table(table, path, row_group_size=10_000)
+    sender, thread, box = send_in_background(path, **_options(wormhole_servers, tmp_path))
+    df = _load(spark, sender.code, wormhole_servers, tmp_path, lanes=2)
+    assert _rows(df).equals(table)
+    thread.join(60)
+    assert "error" not in box, box
+
+
+def test_spark_writer_into_python_parquet(wormhole_servers: Any, tmp_path: Path) -> None:
+    code = "13-spark-to-python"
+    sender = Side(
+        "send", code, wormhole_servers, tmp_path, "--rows", "100000", "--partitions", "3",
+        "--expected", str(tmp_path / "expected"),
+    )  # fmt: skip
+    got = receive_dataset(code, tmp_path / "out", **_options(wormhole_servers, tmp_path))
+    assert "error" not in sender.result()
+    assert len(got.files) == 3 and got.report.rows == 100_000
+    assert_same_rows(tmp_path / "out", tmp_path / "expected")
+
+
+def test_reference_wormhole_send_loads_without_accept(
+    spark: Any, wormhole_servers: Any, tmp_path: Path
+) -> None:
+    table = pa.table({"id": pa.array(range(2000)), "v": pa.array([f"v{i}" for i in range(2000)])})
+    source = tmp_path / "sent" / "data.parquet"
+    source.parent.mkdir()
+    pq.write_table(table, source)
+    code = "14-plain-file"
+    cli = Path(sys.executable).parent / "wormhole"
+    proc = subprocess.Popen(
+        [
+            str(cli), "--relay-url", wormhole_servers.mailbox_url, "--transit-helper",
+            wormhole_servers.relay_url, "send", "--code", code, str(source),
+        ],
+        stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE,
+    )  # fmt: skip
+    try:
+        df = _load(spark, code, wormhole_servers, tmp_path, peer_timeout=60)
+        assert _rows(df).equals(table)
+        assert df.count() == 2000
+        proc.communicate(timeout=60)
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+    assert proc.returncode == 0
+
+
+# --- faults -----------------------------------------------------------------------------------
+
+
+def test_l2_connection_aborted_repeatedly(wormhole_servers: Any, tmp_path: Path) -> None:
+    """Relay-only path through a proxy that resets every connection again and again."""
+    proxy = TcpProxy("127.0.0.1", wormhole_servers.relay_port)
+    try:
+        opts = _options(wormhole_servers, tmp_path, relay=proxy.hint(), no_listen=True)
+        rows = 10_000_000
+        table = pa.table(
+            {"id": pa.array(range(rows), pa.int64()), "x": pa.array(range(rows), pa.float64())}
+        )
+        sender, thread, box = send_in_background(table, **opts)
+        drops: list[int] = []
+        stop = threading.Event()
+
+        def chaos() -> None:
+            # Reset the relay connections each time every lane's L2 is up again:
+            # each reset hits a selected, busy connection, which must heal.
+            from spark_dilation.transfer.lane import lane_connection_statuses
+
+            while len(drops) < 4 and not stop.wait(0.3):
+                statuses = lane_connection_statuses()
+                if statuses and all(s.connection for s in statuses) and proxy.connection_count:
+                    drops.append(proxy.drop_connections())
+
+        chaos_thread = threading.Thread(target=chaos, daemon=True)
+        chaos_thread.start()
+        try:
+            got = receive_dataset(sender.code, lanes=2, **opts)
+        finally:
+            stop.set()
+            chaos_thread.join(5)
+        thread.join(60)
+        assert "error" not in box, box
+        assert got.table is not None and got.table.equals(table)
+        assert len(drops) == 4, drops
+        assert got.report.path == "relay" and box["report"].path == "relay"
+        assert box["report"].reconnects >= 4, box["report"]
+    finally:
+        proxy.close()
+
+
+def test_sender_task_fails_mid_partition_and_is_retried(
+    wormhole_servers: Any, tmp_path: Path
+) -> None:
+    code = "15-sender-retry"
+    sender = Side(
+        "send", code, wormhole_servers, tmp_path, "--master", "local[2,2]", "--rows", "100000",
+        "--expected", str(tmp_path / "expected"), "--option", "test_fail=sender-mid-partition:2",
+    )  # fmt: skip
+    got = receive_dataset(code, tmp_path / "out", **_options(wormhole_servers, tmp_path))
+    sent = sender.result()
+    assert "error" not in sent, sent
+    assert "fails mid-partition" in sender.stderr()  # the first attempts really failed
+    assert got.report.rows == 100_000
+    assert_same_rows(tmp_path / "out", tmp_path / "expected")
+
+
+def _python_sender(servers: Any, tmp: Path, rows: int, **extra: Any) -> tuple[pa.Table, Any]:
+    table = pa.table({"id": pa.array(range(rows), pa.int64()), "x": pa.array(range(rows))})
+    return table, send_in_background(table, **_options(servers, tmp, **extra))
+
+
+def test_lane_fails_before_emitting_rows_and_heals(wormhole_servers: Any, tmp_path: Path):
+    table, (sender, thread, box) = _python_sender(wormhole_servers, tmp_path, 200_000)
+    receiver = Side(
+        "receive", sender.code, wormhole_servers, tmp_path, "--master", "local[2,2]",
+        "--no-show", "--out", str(tmp_path / "out"), "--option", staging(tmp_path),
+        "--option", "test_fail=lane-before-rows",
+    )  # fmt: skip
+    got = receiver.result()
+    thread.join(60)
+    assert "error" not in got, got
+    assert "fails before emitting rows" in receiver.stderr()
+    assert read_parquet(tmp_path / "out").equals(table)
+    assert "error" not in box, box
+
+
+def test_lane_that_fails_after_emitting_rows_cannot_heal(wormhole_servers: Any, tmp_path: Path):
+    _table, (sender, thread, box) = _python_sender(
+        wormhole_servers, tmp_path, 200_000, lane_start_timeout=60
+    )
+    receiver = Side(
+        "receive", sender.code, wormhole_servers, tmp_path, "--master", "local[2,2]",
+        "--no-show", "--out", str(tmp_path / "out"), "--option", staging(tmp_path),
+        "--option", "test_fail=lane-after-rows",
+    )  # fmt: skip
+    got = receiver.result()
+    thread.join(120)
+    assert "cannot heal" in got.get("error", ""), got
+    # The sender hears it too, from the lane's answer to the manifest.
+    assert "cannot heal" in str(box.get("error")), box
+    assert not (tmp_path / "out").exists() or not list((tmp_path / "out").glob("*.parquet"))
+
+
+def test_wrong_code_from_spark(spark: Any, wormhole_servers: Any, tmp_path: Path) -> None:
+    _table, (sender, thread, box) = _python_sender(wormhole_servers, tmp_path, 10, peer_timeout=30)
+    wrong = sender.code.split("-")[0] + "-wrong-guess"
+    with pytest.raises(Exception, match="key confirmation failed: the code was mistyped"):
+        _load(spark, wrong, wormhole_servers, tmp_path, peer_timeout=30).count()
+    thread.join(30)
+    assert "key confirmation failed" in str(box.get("error"))
+
+
+def test_reader_never_comes(spark: Any, wormhole_servers: Any, tmp_path: Path) -> None:
+    df = spark.range(10)
+    started = time.monotonic()
+    with pytest.raises(Exception, match="nobody used the code 16-nobody-reads within 3 seconds"):
+        df.write.format("dilation").options(
+            code="16-nobody-reads", mailbox=wormhole_servers.mailbox_url, peer_timeout="3"
+        ).mode("append").save()
+    assert time.monotonic() - started < 60
+
+
+def test_writer_never_comes(spark: Any, wormhole_servers: Any, tmp_path: Path) -> None:
+    with pytest.raises(Exception, match="nobody used the code 17-nobody-writes within 3 seconds"):
+        _load(spark, "17-nobody-writes", wormhole_servers, tmp_path, peer_timeout=3)
+
+
+def test_unsupported_save_mode(spark: Any, wormhole_servers: Any) -> None:
+    with pytest.raises(Exception) as info:
+        spark.range(3).write.format("dilation").option("code", "18-x").mode("ignore").save()
+    assert "ignore" in str(info.value).lower()
+
+
+def test_more_lanes_than_the_reader_can_run(spark: Any, wormhole_servers: Any, tmp_path: Path):
+    """lanes=4 on a 2-slot reader: the sender names the lane and the option; the reader fails."""
+    _table, (sender, thread, box) = _python_sender(
+        wormhole_servers, tmp_path, 40_000, lane_start_timeout=8
+    )
+    started = time.monotonic()
+    with pytest.raises(Exception, match="the sender aborted the transfer"):
+        _load(spark, sender.code, wormhole_servers, tmp_path, lanes=4).count()
+    thread.join(60)
+    error = box.get("error")
+    assert isinstance(error, LaneNotStartedError), box
+    assert "did not start within 8 s" in str(error) and "set option lanes" in str(error)
+    assert time.monotonic() - started < 120
