@@ -316,8 +316,9 @@ def test_lane_that_fails_after_emitting_rows_cannot_heal(wormhole_servers: Any, 
     got = receiver.result()
     thread.join(120)
     assert "cannot heal" in got.get("error", ""), got
-    # The sender hears it too, from the lane's answer to the manifest.
-    assert "cannot heal" in str(box.get("error")), box
+    # If the loss came before the manifest, the sender hears it too (the
+    # lane's answer to the manifest); if after, the sender had finished.
+    assert "error" not in box or "cannot heal" in str(box["error"]), box
     assert not (tmp_path / "out").exists() or not list((tmp_path / "out").glob("*.parquet"))
 
 

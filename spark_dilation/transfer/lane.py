@@ -26,6 +26,7 @@ from __future__ import annotations
 
 import contextlib
 import fcntl
+import json
 import logging
 import os
 import threading
@@ -149,6 +150,7 @@ class LaneReceiver:
         self.finished = False
         self.last_activity = time.monotonic()
         self.active_streams = 0
+        self._done_pending = False
         self.connections_made = 0
         self.reconnects = 0
         self.paths: list[str] = []
@@ -358,11 +360,15 @@ class LaneReceiver:
             with self._cond:
                 self.book.got_manifest(manifest)
                 self._cond.notify_all()
-            error = self._check_done()
+            # Answer first, then finish: finishing closes this connection.
+            error = self._check_done(finish=False)
             if error is not None:
                 channel.send(encode_json(TAG_ERROR, {"error": str(error)}))
+                self._finish(error)
             else:
                 channel.send(encode_json(TAG_OK, {}))
+                if self._done_pending:
+                    self._finish(None)
         elif tag == TAG_ABORT:
             reason = str(body.get("reason", "no reason given"))
             with self._cond:
@@ -374,7 +380,7 @@ class LaneReceiver:
         else:
             channel.send(encode_json(TAG_ERROR, {"error": f"unexpected {tag!r}"}))
 
-    def _check_done(self) -> CannotHealError | None:
+    def _check_done(self, finish: bool = True) -> CannotHealError | None:
         """Finish the lane if the manifest and every listed partition are here.
 
         Returns the cannot-heal error (also raised to readers) when a listed
@@ -398,6 +404,8 @@ class LaneReceiver:
                     "finished). Nothing was emitted twice or lost silently; send the dataset "
                     "again with a new code"
                 )
+                if not finish:
+                    return error
                 self.finished = True
                 self.error = error
                 self._cond.notify_all()
@@ -407,8 +415,10 @@ class LaneReceiver:
                 return None
             self.book.check_rows()
             self.staging.write_manifest(manifest)
+            self._done_pending = True
         log.info("lane %d: done, %d partitions", self.lane, len(manifest.for_lane(self.lane)))
-        self._finish(None)
+        if finish:
+            self._finish(None)
         return None
 
 
@@ -463,8 +473,12 @@ def lane_receiver(spec: TransferSpec, lane: int) -> LaneReceiver | None:
 def read_lane(spec: TransferSpec, lane: int) -> Iterator[pa.RecordBatch]:
     """Every row the lane receives, once: staged partitions as they complete.
 
-    Yields Arrow batches with the transfer's schema. Raises when the sender
-    aborts, a partition cannot heal, or nothing happens for ``idle_timeout``.
+    The receiver runs in a lane host process (:mod:`.lanehost`) started on
+    first use, so the transfer goes on when Spark ends or kills the Python
+    worker of this task (``show()`` stops reading early; idle workers are
+    killed); this generator follows the staged files. Yields Arrow batches
+    with the transfer's schema. Raises when the sender aborts, a partition
+    cannot heal, or the lane hears nothing for ``idle_timeout``.
     """
     staging = LaneStaging(spec.options.staging_root, spec.transfer_id, lane)
     emitted: set[int] = set()
@@ -472,26 +486,12 @@ def read_lane(spec: TransferSpec, lane: int) -> Iterator[pa.RecordBatch]:
     if manifest is not None:
         yield from _emit_manifest(staging, manifest, lane, emitted)
         return
-    receiver = lane_receiver(spec, lane)
-    idle = spec.options.idle_timeout
+    staging.ensure()
     faults = spec.options.test_fail
     first_attempt = _attempt() == 0
+    ensure_host(spec, lane, staging)
     while True:
-        if receiver is not None:
-            with receiver._cond:
-                if not receiver.finished:
-                    receiver._cond.wait(_POLL)
-                finished, error = receiver.finished, receiver.error
-                last = receiver.last_activity
-        else:
-            time.sleep(_POLL)
-            reason = staging.abort_reason()
-            finished = staging.manifest() is not None or reason is not None
-            error = TransferAbortedError(reason) if reason is not None else None
-            last = time.monotonic()
-            receiver = lane_receiver(spec, lane)  # the holder may have died: take over
-        if error is not None:
-            raise error
+        _raise_host_error(staging)
         complete = sorted(staging.complete().items())
         if complete and first_attempt and "lane-before-rows" in faults:
             raise TransferError(f"test_fail: lane {lane} fails before emitting rows")
@@ -499,31 +499,105 @@ def read_lane(spec: TransferSpec, lane: int) -> Iterator[pa.RecordBatch]:
             if partition not in emitted:
                 emitted.add(partition)
                 yield from read_staged(path)
-                if first_attempt and "lane-after-rows" in faults:
-                    _lose_lane(receiver, staging)
+                if first_attempt and lane == 0 and "lane-after-rows" in faults:
+                    _lose_lane(staging)
                     raise TransferError(
                         f"test_fail: lane {lane} fails after emitting rows, losing its staging"
                     )
-        if finished:
-            manifest = staging.manifest()
-            if manifest is None:
-                raise CannotHealError(f"lane {lane} finished without its manifest")
+        manifest = staging.manifest()
+        if manifest is not None:
             yield from _emit_manifest(staging, manifest, lane, emitted)
             return
-        if time.monotonic() - last > idle:
-            raise LaneIdleError(
-                f"lane {lane} heard nothing from the sender for {idle:g} s (no connection, no "
-                "data, no final manifest). Check that the writer is still running, or raise "
-                "option idle_timeout"
+        if not host_alive(staging):
+            _raise_host_error(staging)
+            if staging.manifest() is None:
+                log.warning("lane %d: its receiver process ended; starting another", lane)
+                ensure_host(spec, lane, staging)
+        time.sleep(_POLL)
+
+
+# --- lane host processes --------------------------------------------------------------------
+
+ERROR_FILE = "error.json"
+_ERRORS: dict[str, type[TransferError]] = {}
+
+
+def write_host_error(staging: LaneStaging, error: BaseException) -> None:
+    tmp = staging.dir / f".{ERROR_FILE}.tmp"
+    tmp.write_text(json.dumps({"type": type(error).__name__, "message": str(error)}))
+    os.replace(tmp, staging.dir / ERROR_FILE)
+
+
+def _raise_host_error(staging: LaneStaging) -> None:
+    path = staging.dir / ERROR_FILE
+    if not path.exists():
+        return
+    info = json.loads(path.read_text())
+    cls = _ERRORS.get(info.get("type"), TransferError)
+    error = cls.__new__(cls)
+    Exception.__init__(error, info.get("message", "the lane failed"))
+    raise error
+
+
+def host_alive(staging: LaneStaging) -> bool:
+    """Whether a process holds the lane's lock (a live receiver)."""
+    fd = os.open(staging.dir / ".lock", os.O_RDWR | os.O_CREAT, 0o600)
+    try:
+        fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+    except BlockingIOError:
+        return True
+    finally:
+        os.close(fd)  # also drops the lock if we got it
+    return False
+
+
+def ensure_host(spec: TransferSpec, lane: int, staging: LaneStaging, wait: float = 60.0) -> None:
+    """Start the lane's host process unless one runs; wait until it holds the lock."""
+    import pickle
+    import subprocess
+    import sys
+
+    if host_alive(staging):
+        return
+    spec_path = staging.dir / f".spec-{uuid.uuid4().hex}.pkl"
+    fd = os.open(spec_path, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o600)  # holds the secret
+    with os.fdopen(fd, "wb") as f:
+        pickle.dump(spec, f)
+    with open(staging.dir / "host.log", "ab") as log_file:
+        proc = subprocess.Popen(
+            [sys.executable, "-m", "spark_dilation.transfer.lanehost", str(spec_path), str(lane)],
+            stdin=subprocess.DEVNULL,
+            stdout=log_file,
+            stderr=log_file,
+            start_new_session=True,  # outlives this worker, and Spark's kills of its group
+            close_fds=True,
+        )
+    deadline = time.monotonic() + wait
+    while not host_alive(staging):
+        if proc.poll() is not None:
+            if host_alive(staging) or staging.manifest() is not None:
+                return  # another process won the lock, or the lane is already done
+            _raise_host_error(staging)
+            raise TransferError(
+                f"lane {lane}: its receiver process exited with code {proc.returncode}; "
+                f"see {staging.dir / 'host.log'}"
             )
+        if time.monotonic() > deadline:
+            raise TransferError(f"lane {lane}: its receiver process did not start in {wait:g} s")
+        time.sleep(0.05)
 
 
-def _lose_lane(receiver: LaneReceiver | None, staging: LaneStaging) -> None:
+def _lose_lane(staging: LaneStaging) -> None:
     """Test-only: what losing the lane's machine does (receiver and staged files gone)."""
-    if receiver is not None:
-        with _registry_lock:
-            _receivers.pop((receiver.spec.transfer_id, receiver.lane), None)
-        receiver.stop(linger=0)
+    import signal
+
+    pid_file = staging.dir / "host.pid"
+    if pid_file.exists():
+        with contextlib.suppress(ProcessLookupError, ValueError):
+            os.kill(int(pid_file.read_text()), signal.SIGKILL)
+    deadline = time.monotonic() + 10
+    while host_alive(staging) and time.monotonic() < deadline:
+        time.sleep(0.05)
     for path in staging.complete().values():
         path.unlink(missing_ok=True)
 
@@ -538,8 +612,9 @@ def _emit_manifest(
         path = complete.get(c.partition)
         if path is None:
             raise CannotHealError(
-                f"lane {lane}: the staged data of partition {c.partition} is gone (staging "
-                f"directory {staging.dir}); read it again only while staging is kept"
+                f"lane {lane} cannot heal: the staged data of partition {c.partition} is gone "
+                f"(staging directory {staging.dir}) and its sender has finished. Keep the "
+                "staging directory while the DataFrame is in use, or send the dataset again"
             )
         emitted.add(c.partition)
         yield from read_staged(path)
@@ -563,3 +638,11 @@ def lane_connection_statuses() -> list[Any]:
             with contextlib.suppress(DilationError):
                 statuses.append(conn.status())
     return statuses
+
+
+_ERRORS.update(
+    {
+        cls.__name__: cls
+        for cls in (CannotHealError, TransferAbortedError, LaneIdleError, TransferError)
+    }
+)

@@ -286,21 +286,38 @@ def deliver_control(spec: TransferSpec, message: bytes, *, timeout: float) -> No
     deadline = time.monotonic() + timeout
     connections = ConnectionPool()
 
-    def one(lane: int) -> None:
+    def once(lane: int) -> None:
+        conn = connections.get(spec, lane, deadline, what="final manifest")
         try:
-            conn = connections.get(spec, lane, deadline, what="final manifest")
             with conn.open(CONTROL_SUBPROTOCOL, timeout=timeout) as channel:
                 channel.send(message, timeout=timeout)
                 reply = channel.receive(timeout=max(1.0, deadline - time.monotonic()))
-            if reply is None:
-                raise LaneLostError(f"lane {lane} closed without confirming the manifest")
-            tag, body = decode_message(reply)
-            if tag == TAG_ERROR:
-                raise LaneRefusedError(f"lane {lane}: {body.get('error')}")
-            if tag != TAG_OK:
-                raise ProtocolError(f"lane {lane} answered {tag!r} to the manifest")
-        except BaseException as e:
-            errors.append(e)
+        except BlockingDilationError as e:
+            connections.evict(spec.transfer_id, lane, conn)
+            raise LaneLostError(f"lane {lane} went away during the manifest: {e}") from e
+        if reply is None:
+            connections.evict(spec.transfer_id, lane, conn)
+            raise LaneLostError(f"lane {lane} closed without confirming the manifest")
+        tag, body = decode_message(reply)
+        if tag == TAG_ERROR:
+            raise LaneRefusedError(f"lane {lane}: {body.get('error')}")
+        if tag != TAG_OK:
+            raise ProtocolError(f"lane {lane} answered {tag!r} to the manifest")
+
+    def one(lane: int) -> None:
+        # A lane restarted meanwhile (a new incarnation in a new lobby) gets it again.
+        while True:
+            try:
+                return once(lane)
+            except LaneLostError as e:
+                if time.monotonic() >= deadline:
+                    errors.append(e)
+                    return
+                log.info("%s; trying again", e)
+                time.sleep(0.5)
+            except BaseException as e:
+                errors.append(e)
+                return
 
     with ThreadPoolExecutor(max_workers=min(16, spec.lanes)) as ex:
         list(ex.map(one, range(spec.lanes)))
