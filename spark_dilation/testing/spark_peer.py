@@ -100,14 +100,18 @@ def main(argv: list[str] | None = None) -> int:
                 df.write.mode("overwrite").parquet(args.expected)
                 result["schema"] = df.schema.json()
             started = time.monotonic()
+            result["t0"] = time.time()
             df.write.format("dilation").options(**options).mode("append").save()
+            result["t1"] = time.time()
             result["rows"] = args.rows
         else:
+            result["t0"] = time.time()
             df = spark.read.format("dilation").options(**options).load()
             result["schema"] = df.schema.json()
             if not args.no_show:
                 df.show(3, truncate=40)
             result["count"] = df.count()
+            result["t1"] = time.time()
             if args.out:
                 df.write.mode("overwrite").parquet(args.out)
             result["rows"] = result["count"]
