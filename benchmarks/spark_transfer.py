@@ -12,8 +12,8 @@ Spark applications (one JVM per side), loopback, with the real mailbox server
 and transit relay started locally. Cases:
 
 - ``transfer``: one application writes ``format("dilation")``, another loads
-  it and runs ``count()``; seconds from the sender's ``save()`` to the end of
-  the receiver's ``count()`` (both JVMs already up and waiting on the code).
+  it and runs ``count()``; seconds from the later of the sender's ``save()``
+  and the receiver's ``load()`` to the end of the receiver's ``count()``.
 - ``ceiling``: the same DataFrame into a ``DataSourceArrowWriter`` that only
   counts rows (what Spark's Python writer path costs with no transfer at all).
 - ``manual``: Spark writes Parquet, our Transit file transfer sends the
@@ -62,6 +62,7 @@ class ProcSampler:
         self.cpu: dict[int, float] = {}
         self.rss: dict[int, int] = {}
         self.side: dict[int, str] = {}
+        self.cmd: dict[int, str] = {}
         self._stop = threading.Event()
         self._thread = threading.Thread(target=self._run, daemon=True)
 
@@ -109,11 +110,28 @@ class ProcSampler:
             if side is None:
                 continue
             self.side[pid] = side
+            self.cmd[pid] = cmd
             self.cpu[pid] = max(self.cpu.get(pid, 0.0), cpu)
             self.rss[pid] = max(self.rss.get(pid, 0), rss)
 
     def cpu_of(self, side: str) -> float:
         return sum(c for pid, c in self.cpu.items() if self.side[pid] == side)
+
+    def breakdown(self, side: str) -> dict[str, float]:
+        """CPU seconds by kind of process: task workers, planner workers, lane hosts."""
+        kinds: dict[str, float] = {}
+        for pid, cpu in self.cpu.items():
+            if self.side[pid] != side:
+                continue
+            cmd = self.cmd[pid]
+            kind = (
+                "lanehost" if "lanehost" in cmd
+                else "planner" if "plan_data_source" in cmd or "commit_data_source" in cmd
+                or "lookup_data_sources" in cmd or "write_into_data_source" in cmd
+                else "daemon+tasks"
+            )  # fmt: skip
+            kinds[kind] = round(kinds.get(kind, 0.0) + cpu, 2)
+        return kinds
 
     def peak_rss_mb(self, side: str) -> float:
         peaks = [r for pid, r in self.rss.items() if self.side[pid] == side]
@@ -162,7 +180,9 @@ def run_transfer(args: argparse.Namespace, servers: Any, tmp: Path, n: int) -> d
     )
     if got["count"] != args.rows or report["rows"] != args.rows:
         raise RuntimeError(f"rows differ: {got['count']} received, report {report}")
-    seconds = got["t1"] - sent["t0"]
+    # From the moment both applications are waiting on the code (the later
+    # of the two calls) to the end of the receiver's count().
+    seconds = got["t1"] - max(sent["t0"], got["t0"])
     mb = report["bytes"] / MB
     return {
         "case": "transfer",
@@ -172,6 +192,8 @@ def run_transfer(args: argparse.Namespace, servers: Any, tmp: Path, n: int) -> d
         "mb": round(mb, 1),
         "cpu_s_per_mb_send": round(sampler.cpu_of("send") / mb, 5),
         "cpu_s_per_mb_receive": round(sampler.cpu_of("receive") / mb, 5),
+        "cpu_s_send_by_process": sampler.breakdown("send"),
+        "cpu_s_receive_by_process": sampler.breakdown("receive"),
         "peak_rss_mb_send_worker": sampler.peak_rss_mb("send"),
         "peak_rss_mb_receive_worker": sampler.peak_rss_mb("receive"),
         "connections": report["connections"],
