@@ -33,6 +33,7 @@ from pyspark.sql.pandas.types import from_arrow_type, to_arrow_schema
 from pyspark.sql.types import DataType, StructField, StructType
 
 from ..errors import DilationError
+from ..transfer.options import TransferOptions
 from .options import FILE_ONLY_OPTIONS, MAILBOX_ENV, RELAY_ENV, OptionError, ReadSettings
 from .receive import new_staging_dir, receive_file
 from .staged import (
@@ -58,19 +59,11 @@ __all__ = [
 
 log = logging.getLogger("spark_dilation.spark")
 
-# Options of df.write.format("dilation").
+# Options of df.write.format("dilation"): the transfer's, minus the reader's own.
 WRITE_OPTIONS: tuple[str, ...] = (
     "code",
     "path",
-    "mailbox",
-    "relay",
-    "peer_timeout",
-    "lane_start_timeout",
-    "reconnect_timeout",
-    "idle_timeout",
-    "compression",
-    "no_listen",
-    "test_fail",
+    *(n for n in TransferOptions.names() if n not in ("lanes", "staging_dir")),
 )
 
 
@@ -226,8 +219,6 @@ class DilationDataSource(DataSource):
                 f'unknown option {", ".join(unknown)} for df.write.format("dilation"); '
                 f"known options are {', '.join(WRITE_OPTIONS)}"
             )
-        from ..transfer.options import TransferOptions
-
         options = TransferOptions.from_strings(opts, ignore=("code", "path"))
         arrow_schema = to_arrow_schema(schema, timezone="UTC")
         session = SenderSession.open(arrow_schema, options, code=code, source="spark")
@@ -261,8 +252,6 @@ class StagedFileReader(DataSourceReader):
 
 
 def _transfer_options(options: Mapping[str, str], settings: ReadSettings) -> Any:
-    from ..transfer.options import TransferOptions
-
     opts = {k.lower(): v for k, v in options.items()}
     transfer = TransferOptions.from_strings(opts, ignore=FILE_ONLY_OPTIONS)
     if settings.timeout is not None and "peer_timeout" not in opts:

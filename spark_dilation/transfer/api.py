@@ -34,7 +34,7 @@ import pyarrow.dataset as ds
 import pyarrow.parquet as pq
 
 from ..errors import TransferError
-from .lane import LaneIdleError, LaneStaging, lane_receiver, read_staged
+from .lane import LaneStaging, lane_receiver, read_staged
 from .options import TransferOptions
 from .protocol import CommittedPartition, Manifest
 from .report import TransferReport, path_of
@@ -236,23 +236,14 @@ def _wait_lanes(spec: TransferSpec) -> tuple[list[Manifest], int, int, list[str]
     receivers = [lane_receiver(spec, lane) for lane in range(spec.lanes)]
     if any(r is None for r in receivers):
         raise TransferError("another process on this machine is already receiving this transfer")
-    idle = spec.options.idle_timeout
     for r in receivers:
         assert r is not None
-        with r._cond:
-            while not r.finished:
-                r._cond.wait(0.5)
-                if time.monotonic() - r.last_activity > idle and not r._connections:
-                    r.finished = True
-                    r.error = LaneIdleError(
-                        f"lane {r.lane} heard nothing from the sender for {idle:g} s; check "
-                        "that it still runs, or raise option idle_timeout"
-                    )
-        if r.error is not None:
+        error = r.wait_finished()
+        if error is not None:
             for other in receivers:
                 assert other is not None
                 other.stop(linger=0)
-            raise r.error
+            raise error
     manifests = []
     paths = []
     connections = reconnects = 0

@@ -183,6 +183,22 @@ class LaneReceiver:
                     os.close(self._lock_fd)
                 self._lock_fd = -1
 
+    def wait_finished(self) -> BaseException | None:
+        """Block until the lane is done or failed, or idle for ``idle_timeout``; its error."""
+        idle = self.spec.options.idle_timeout
+        with self._cond:
+            while not self.finished:
+                self._cond.wait(0.5)
+                quiet = time.monotonic() - self.last_activity
+                if quiet > idle and not self.active_streams and not self.finished:
+                    self.finished = True
+                    self.error = LaneIdleError(
+                        f"lane {self.lane} heard nothing from the sender for {idle:g} s (no "
+                        "new connection, no data, no final manifest). Check that the writer "
+                        "is still running, or raise option idle_timeout"
+                    )
+            return self.error
+
     def _finish(self, error: BaseException | None = None) -> None:
         with self._cond:
             if self.finished:

@@ -14,9 +14,8 @@ import logging
 import os
 import pickle
 import sys
-import time
 
-from .lane import LaneIdleError, LaneStaging, lane_receiver, write_host_error
+from .lane import LaneStaging, lane_receiver, write_host_error
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -34,19 +33,9 @@ def main(argv: list[str] | None = None) -> int:
     if receiver is None:
         return 0  # another host holds the lane
     (staging.dir / "host.pid").write_text(str(os.getpid()))
-    idle = spec.options.idle_timeout
-    with receiver._cond:
-        while not receiver.finished:
-            receiver._cond.wait(0.5)
-            if time.monotonic() - receiver.last_activity > idle and not receiver.active_streams:
-                receiver.finished = True
-                receiver.error = LaneIdleError(
-                    f"lane {lane} heard nothing from the sender for {idle:g} s (no new "
-                    "connection, no data, no final manifest). Check that the writer is still "
-                    "running, or raise option idle_timeout"
-                )
-    if receiver.error is not None:
-        write_host_error(staging, receiver.error)
+    error = receiver.wait_finished()
+    if error is not None:
+        write_host_error(staging, error)
     receiver.stop(linger=2.0)
     logging.info("lane %d host done: %s", lane, receiver.error or "complete")
     return 0

@@ -147,14 +147,7 @@ class SenderSession:
                     await w.close()
                 raise
             await w.close()
-            return TransferSpec(
-                offer.transfer_id,
-                secret,
-                body.lanes,
-                schema_bytes(offer.schema),
-                offer.compression,
-                self.options,
-            )
+            return _spec(offer, secret, body.lanes, self.options)
 
         return _wait(
             crochet.run_in_reactor(lambda: defer.ensureDeferred(run()))(),
@@ -164,6 +157,12 @@ class SenderSession:
 
     def cancel(self) -> None:
         crochet.run_in_reactor(lambda: self._w.close().addErrback(lambda _: None))()
+
+
+def _spec(offer: Offer, secret: bytes, lanes: int, options: TransferOptions) -> TransferSpec:
+    return TransferSpec(
+        offer.transfer_id, secret, lanes, schema_bytes(offer.schema), offer.compression, options
+    )
 
 
 class _suppress:
@@ -241,14 +240,7 @@ def receive_session(
                 await w.close()
             raise
         await w.close()
-        return TransferSpec(
-            offer.transfer_id,
-            secret,
-            options.lanes,
-            schema_bytes(offer.schema),
-            offer.compression,
-            options,
-        )
+        return _spec(offer, secret, options.lanes, options)
 
     return _wait(
         crochet.run_in_reactor(lambda: defer.ensureDeferred(run()))(),
