@@ -21,7 +21,6 @@ import sys
 import time
 from collections.abc import Iterator
 from dataclasses import dataclass
-from typing import Any
 
 import pyarrow as pa
 from pyspark.sql.datasource import (
@@ -136,7 +135,3 @@ class DatasetReader(DataSourceReader):
         for batch in read_lane(self.spec, lane):
             if batch.num_rows:
                 yield cast_batch(batch, self.target)
-
-
-def started_now() -> Any:
-    return time.time()

@@ -22,6 +22,7 @@ import json
 import logging
 import os
 import shutil
+import time
 from collections.abc import Iterator, Mapping
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
@@ -203,7 +204,7 @@ class DilationDataSource(DataSource):
         ``append`` and ``overwrite`` both mean "send"; runs in a planner worker.
         """
         from ..transfer.session import SenderSession
-        from .dataset import DilationArrowWriter, started_now
+        from .dataset import DilationArrowWriter
 
         opts = {k.lower(): v for k, v in self.options.items()}
         code = (opts.get("code") or "").strip()
@@ -224,7 +225,7 @@ class DilationDataSource(DataSource):
         session = SenderSession.open(arrow_schema, options, code=code, source="spark")
         spec = session.wait()
         log.info("dataset transfer %s agreed: %d lanes", spec.transfer_id, spec.lanes)
-        return DilationArrowWriter(spec, started_now())
+        return DilationArrowWriter(spec, time.time())
 
 
 class StagedFileReader(DataSourceReader):

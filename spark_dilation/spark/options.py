@@ -18,6 +18,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from ..errors import DilationError
+from ..transfer.options import TransferOptions
 from .staged import CsvOptions, UnsupportedFormatError, normalize_format
 
 __all__ = [
@@ -38,31 +39,8 @@ RELAY_ENV = "SPARK_DILATION_RELAY"
 ACCEPT_VALUES: tuple[str, ...] = ("file", "dataset")
 STAGING_DIR_NAME = "spark-dilation"
 
-# Every option the reader understands. "path" is what .load(PATH) sets; it is
-# an alias of staged_path.
-KNOWN_OPTIONS: tuple[str, ...] = (
-    "code",
-    "accept",
-    "mailbox",
-    "relay",
-    "timeout",
-    "format",
-    "staging_dir",
-    "staged_path",
-    "path",
-    "header",
-    "delimiter",
-    # Dataset transfers (spark_dilation.transfer.options.TransferOptions).
-    "lanes",
-    "peer_timeout",
-    "lane_start_timeout",
-    "reconnect_timeout",
-    "idle_timeout",
-    "compression",
-    "no_listen",
-    "test_fail",
-)
 # Options that only the file path reads; the dataset path ignores them.
+# "path" is what .load(PATH) sets; it is an alias of staged_path.
 FILE_ONLY_OPTIONS: tuple[str, ...] = (
     "code",
     "accept",
@@ -73,6 +51,8 @@ FILE_ONLY_OPTIONS: tuple[str, ...] = (
     "header",
     "delimiter",
 )
+# Every option the reader understands: those and the dataset transfer's.
+KNOWN_OPTIONS: tuple[str, ...] = (*FILE_ONLY_OPTIONS, *TransferOptions.names())
 
 
 class OptionError(DilationError, ValueError):

@@ -37,7 +37,7 @@ from ..errors import TransferError
 from .lane import LaneStaging, lane_receiver, read_staged
 from .options import TransferOptions
 from .protocol import CommittedPartition, Manifest
-from .report import TransferReport, path_of
+from .report import TransferReport, combine_paths
 from .sender import ConnectionPool, LaneLostError, deliver_abort, deliver_manifest, send_partition
 from .session import ReceivedFileResult, SenderSession, receive_session
 from .spec import TransferSpec
@@ -119,12 +119,6 @@ def _partitions(source: Any, min_partitions: int) -> _Partitions:
     )
 
 
-def _schema_of(source: Any) -> pa.Schema:
-    if isinstance(source, pa.Table | pa.RecordBatch):
-        return source.schema
-    return _as_dataset(source).schema
-
-
 # --- sending --------------------------------------------------------------------------------
 
 
@@ -140,9 +134,12 @@ class DatasetSender:
         code_length: int = 2,
     ) -> None:
         self.options = options or TransferOptions()
-        self._source = source
+        # Look at the files once: the schema now, the fragments after the session.
+        self._source = (
+            source if isinstance(source, pa.Table | pa.RecordBatch) else _as_dataset(source)
+        )
         self._session = SenderSession.open(
-            _schema_of(source), self.options, code=code, code_length=code_length
+            self._source.schema, self.options, code=code, code_length=code_length
         )
         self.code: str = self._session.code
 
@@ -168,7 +165,7 @@ class DatasetSender:
             lanes=spec.lanes,
             connections=stats.connections_opened,
             reconnects=stats.reconnects,
-            path="+".join(sorted(set(stats.paths))) or "unknown",
+            path=combine_paths(stats.paths),
             seconds=time.monotonic() - started,
             compression=spec.compression,
         )
@@ -295,7 +292,7 @@ def receive_dataset(
             lanes=spec.lanes,
             connections=connections,
             reconnects=reconnects,
-            path="+".join(sorted(set(paths))) or "unknown",
+            path=combine_paths(paths),
             seconds=time.monotonic() - started,
             compression=spec.compression,
         ),
@@ -356,7 +353,6 @@ def send_in_background(
 __all__ = [
     "DatasetSender",
     "ReceivedDataset",
-    "path_of",
     "receive_dataset",
     "receive_table",
     "send_dataset",

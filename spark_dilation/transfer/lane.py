@@ -119,13 +119,6 @@ class LaneStaging:
         tmp.write_text(manifest.to_json())
         os.replace(tmp, self.dir / MANIFEST_FILE)
 
-    def abort_reason(self) -> str | None:
-        path = self.dir / "aborted"
-        return path.read_text() if path.exists() else None
-
-    def write_abort(self, reason: str) -> None:
-        (self.dir / "aborted").write_text(reason)
-
 
 def read_staged(path: Path) -> Iterator[pa.RecordBatch]:
     with pa.memory_map(str(path)) as source:
@@ -150,7 +143,6 @@ class LaneReceiver:
         self.finished = False
         self.last_activity = time.monotonic()
         self.active_streams = 0
-        self._done_pending = False
         self.connections_made = 0
         self.reconnects = 0
         self.paths: list[str] = []
@@ -383,14 +375,14 @@ class LaneReceiver:
                 self._finish(error)
             else:
                 channel.send(encode_json(TAG_OK, {}))
-                if self._done_pending:
+                with self._cond:
+                    done = self.book.done()
+                if done:
                     self._finish(None)
         elif tag == TAG_ABORT:
             reason = str(body.get("reason", "no reason given"))
             with self._cond:
                 self.book.aborted = reason
-            with contextlib.suppress(OSError):
-                self.staging.write_abort(reason)
             channel.send(encode_json(TAG_OK, {}))
             self._finish(TransferAbortedError(reason))
         else:
@@ -431,7 +423,6 @@ class LaneReceiver:
                 return None
             self.book.check_rows()
             self.staging.write_manifest(manifest)
-            self._done_pending = True
         log.info("lane %d: done, %d partitions", self.lane, len(manifest.for_lane(self.lane)))
         if finish:
             self._finish(None)
@@ -535,7 +526,10 @@ def read_lane(spec: TransferSpec, lane: int) -> Iterator[pa.RecordBatch]:
 # --- lane host processes --------------------------------------------------------------------
 
 ERROR_FILE = "error.json"
-_ERRORS: dict[str, type[TransferError]] = {}
+# error.json names one of these; anything else is read back as a TransferError.
+_ERRORS: dict[str, type[TransferError]] = {
+    cls.__name__: cls for cls in (CannotHealError, TransferAbortedError, LaneIdleError)
+}
 
 
 def write_host_error(staging: LaneStaging, error: BaseException) -> None:
@@ -654,11 +648,3 @@ def lane_connection_statuses() -> list[Any]:
             with contextlib.suppress(DilationError):
                 statuses.append(conn.status())
     return statuses
-
-
-_ERRORS.update(
-    {
-        cls.__name__: cls
-        for cls in (CannotHealError, TransferAbortedError, LaneIdleError, TransferError)
-    }
-)

@@ -15,7 +15,11 @@ from pathlib import Path
 from typing import Any
 
 from ..errors import DilationError
-from .protocol import COMPRESSIONS
+
+# Arrow IPC body compressions (the protocol module checks offers against these).
+# Defined here, not in protocol.py, so that Spark's data source lookup, which
+# imports this module, does not load the wormhole stack (Twisted) with it.
+COMPRESSIONS = ("none", "lz4", "zstd")
 
 MAILBOX_ENV = "SPARK_DILATION_MAILBOX"
 RELAY_ENV = "SPARK_DILATION_RELAY"

@@ -27,7 +27,7 @@ import base64
 import hashlib
 import json
 import zlib
-from collections.abc import Iterable, Iterator
+from collections.abc import Iterator
 from dataclasses import asdict, dataclass
 from typing import Any
 
@@ -36,6 +36,7 @@ import pyarrow.ipc as ipc
 
 from ..errors import TransferError
 from ..wormhole.keys import derive_key
+from .options import COMPRESSIONS
 
 PROTOCOL = "spark-dilation/dataset"
 VERSION = 1
@@ -50,7 +51,6 @@ SECRET_PURPOSE = "spark-dilation/transfer-secret/v1"
 
 # Rows of one record batch go out in messages of at most about this size.
 MAX_MESSAGE_BYTES = 1024 * 1024
-COMPRESSIONS = ("none", "lz4", "zstd")
 NAMEPLATE_DIGITS = 30  # the server allows digits only, at most 40
 
 ROLE_SENDER = "sender"
@@ -520,12 +520,6 @@ class PartitionAssembler:
             )
 
 
-def count_rows(stream: bytes | pa.Buffer) -> int:
-    """Rows in an Arrow IPC stream (reads batch metadata and buffers, zero copy)."""
-    reader = ipc.open_stream(pa.py_buffer(stream) if isinstance(stream, bytes) else stream)
-    return sum(b.num_rows for b in reader)
-
-
 # --- the lane's book -------------------------------------------------------------------------
 
 
@@ -616,11 +610,3 @@ class LaneBook:
     def committed_partitions(self) -> list[int]:
         assert self.manifest is not None
         return [c.partition for c in self.manifest.for_lane(self.lane)]
-
-
-def batches_of(tables: Iterable[pa.Table | pa.RecordBatch]) -> Iterator[pa.RecordBatch]:
-    for t in tables:
-        if isinstance(t, pa.RecordBatch):
-            yield t
-        else:
-            yield from t.to_batches()

@@ -42,7 +42,7 @@ from typing import Any
 import crochet
 from twisted.internet import defer
 
-from ..errors import CrowdedError, DilationError, ServerConnectionError, WormholeError
+from ..errors import CrowdedError, DilationError, ServerConnectionError
 from ..wormhole.blocking import ensure_reactor
 from .protocol import (
     RENDEZVOUS_APPID,
@@ -370,7 +370,6 @@ __all__ = [
     "RendezvousTimeout",
     "SlotPolicy",
     "Step",
-    "WormholeError",
     "dilate_paired",
     "pair",
 ]

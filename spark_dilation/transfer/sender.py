@@ -33,6 +33,7 @@ from .protocol import (
     CONTROL_SUBPROTOCOL,
     PARTITION_SUBPROTOCOL,
     ROLE_SENDER,
+    TAG_ABORT,
     TAG_COMPLETE,
     TAG_ERROR,
     TAG_OK,
@@ -54,9 +55,9 @@ log = logging.getLogger(__name__)
 
 
 class LaneNotStartedError(TransferError, TimeoutError):
-    def __init__(self, lane: int, lanes: int, timeout: float, what: str = "partition") -> None:
+    def __init__(self, lane: int, lanes: int, timeout: float, what: str = "a partition") -> None:
         super().__init__(
-            f"lane {lane} of {lanes} did not start within {timeout:g} s (waited to send a "
+            f"lane {lane} of {lanes} did not start within {timeout:g} s (waited to send "
             f"{what}). The reader runs its lanes when an action (count(), show(), write) runs, "
             "and all lanes must run at once: set option lanes to at most the reader's task "
             "slots, start the reader's action sooner, or raise option lane_start_timeout"
@@ -89,7 +90,7 @@ class ConnectionPool:
         self.opened: dict[str, int] = {}  # transfer -> connections opened
         self.paths: dict[str, list[str]] = {}
 
-    def get(self, spec: TransferSpec, lane: int, deadline: float, what: str = "partition") -> Any:
+    def get(self, spec: TransferSpec, lane: int, deadline: float, what: str = "a partition") -> Any:
         key = (spec.transfer_id, lane)
         with self._lock:
             making = self._making.setdefault(key, threading.Lock())
@@ -237,19 +238,24 @@ def send_partition(
         channel.close()  # no trailer: the lane drops this attempt
         raise
     channel.close()
-    if reply is None:
-        raise LaneLostError(f"lane {lane} closed partition {partition} without confirming it")
-    tag, body = decode_message(reply)
-    if tag == TAG_ERROR:
-        raise LaneRefusedError(f"lane {lane} refused partition {partition}: {body.get('error')}")
-    if tag != TAG_COMPLETE:
-        raise ProtocolError(f"lane {lane} answered {tag!r} instead of complete")
-    done = Complete.from_body(body)
+    done = Complete.from_body(_answer(reply, lane, TAG_COMPLETE, f"partition {partition}"))
     if done.rows != encoder.rows and not done.duplicate:
         raise ProtocolError(f"lane {lane} counted {done.rows} rows of {encoder.rows}")
     return CommittedPartition(
         partition, attempt, lane, done.incarnation, encoder.rows, encoder.bytes
     )
+
+
+def _answer(reply: bytes | None, lane: int, expected: bytes, what: str) -> dict:
+    """The body of the lane's answer about ``what`` if it is ``expected``; else the error."""
+    if reply is None:
+        raise LaneLostError(f"lane {lane} closed without confirming {what}")
+    tag, body = decode_message(reply)
+    if tag == TAG_ERROR:
+        raise LaneRefusedError(f"lane {lane} refused {what}: {body.get('error')}")
+    if tag != expected:
+        raise ProtocolError(f"lane {lane} answered {tag!r} about {what}")
+    return body
 
 
 def _conform(batch: pa.RecordBatch, schema: pa.Schema) -> pa.RecordBatch:
@@ -285,24 +291,20 @@ def deliver_control(spec: TransferSpec, message: bytes, *, timeout: float) -> No
     errors: list[BaseException] = []
     deadline = time.monotonic() + timeout
     connections = ConnectionPool()
+    what = "the abort" if message[:1] == TAG_ABORT else "the final manifest"
 
     def once(lane: int) -> None:
-        conn = connections.get(spec, lane, deadline, what="final manifest")
+        conn = connections.get(spec, lane, deadline, what=what)
         try:
             with conn.open(CONTROL_SUBPROTOCOL, timeout=timeout) as channel:
                 channel.send(message, timeout=timeout)
                 reply = channel.receive(timeout=max(1.0, deadline - time.monotonic()))
         except BlockingDilationError as e:
             connections.evict(spec.transfer_id, lane, conn)
-            raise LaneLostError(f"lane {lane} went away during the manifest: {e}") from e
+            raise LaneLostError(f"lane {lane} went away during {what}: {e}") from e
         if reply is None:
             connections.evict(spec.transfer_id, lane, conn)
-            raise LaneLostError(f"lane {lane} closed without confirming the manifest")
-        tag, body = decode_message(reply)
-        if tag == TAG_ERROR:
-            raise LaneRefusedError(f"lane {lane}: {body.get('error')}")
-        if tag != TAG_OK:
-            raise ProtocolError(f"lane {lane} answered {tag!r} to the manifest")
+        _answer(reply, lane, TAG_OK, what)
 
     def one(lane: int) -> None:
         # A lane restarted meanwhile (a new incarnation in a new lobby) gets it again.
@@ -334,8 +336,6 @@ def deliver_manifest(spec: TransferSpec, partitions: Iterable[CommittedPartition
 
 def deliver_abort(spec: TransferSpec, reason: str, timeout: float = 30.0) -> None:
     """Tell every reachable lane the transfer failed (best effort, bounded)."""
-    from .protocol import TAG_ABORT
-
     try:
         deliver_control(spec, encode_json(TAG_ABORT, {"reason": reason}), timeout=timeout)
     except (DilationError, TimeoutError) as e:

@@ -13,7 +13,7 @@ our protocol) or a plain file sent with ``wormhole send``, which
 
 from __future__ import annotations
 
-import json
+import contextlib
 import logging
 import uuid
 from dataclasses import dataclass
@@ -143,7 +143,7 @@ class SenderSession:
                     raise ProtocolError(f"expected the receiver's answer, got {kind}")
                 secret = transfer_secret(w.derive_key)
             except BaseException:
-                with _suppress():
+                with contextlib.suppress(DilationError):
                     await w.close()
                 raise
             await w.close()
@@ -163,14 +163,6 @@ def _spec(offer: Offer, secret: bytes, lanes: int, options: TransferOptions) -> 
     return TransferSpec(
         offer.transfer_id, secret, lanes, schema_bytes(offer.schema), offer.compression, options
     )
-
-
-class _suppress:
-    def __enter__(self) -> None:
-        return None
-
-    def __exit__(self, *exc: object) -> bool:
-        return exc[0] is not None and issubclass(exc[0], DilationError)  # type: ignore[arg-type]
 
 
 @dataclass(frozen=True)
@@ -236,7 +228,7 @@ def receive_session(
         except BaseException as e:
             if isinstance(e, ProtocolError):
                 w.send_message(error_message(str(e)))
-            with _suppress():
+            with contextlib.suppress(DilationError):
                 await w.close()
             raise
         await w.close()
@@ -246,10 +238,4 @@ def receive_session(
         crochet.run_in_reactor(lambda: defer.ensureDeferred(run()))(),
         options.peer_timeout + 24 * 3600,
         "the session with the sender",
-    )
-
-
-def describe(spec: TransferSpec) -> str:
-    return json.dumps(
-        {"transfer": spec.transfer_id, "lanes": spec.lanes, "compression": spec.compression}
     )
