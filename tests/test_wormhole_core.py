@@ -429,6 +429,20 @@ def test_close_while_disconnected_finishes_after_reconnect(server):
     ]
 
 
+def test_close_after_a_reconnect_still_delivers_unechoed_messages(server):
+    a, b = pair(server)
+    a.disconnect()
+    a.feed(a.core.send_message(b"last words"))  # never reaches the server...
+    a.feed(a.core.close())  # ...before the close, which waits for a connection
+    a.connect()
+    run(a, b)
+    (closed,) = a.got(core.Closed)
+    assert closed.error is None
+    assert [m.plaintext for m in b.got(core.GotMessage)] == [b"last words"]
+    sent = [m["type"] for s, m in server.log if s == a.core.side]
+    assert sent.index("add", sent.index("bind", 2)) < sent.index("close")
+
+
 def test_close_with_nothing_claimed_is_immediate():
     c = core.WormholeCore(APPID)
     events = c.close()

@@ -270,6 +270,10 @@ class WormholeCore:
         self._release_sent = False
         self._tx("bind", appid=self.appid, side=self.side, client_version=self._client_version)
         if self.closing:
+            if self._pending and self.mailbox is not None and not self._mailbox_closed:
+                # Messages the server never echoed (our version, say) go out
+                # before the close; the peer would otherwise never see them.
+                self._open_mailbox()
             self._send_close_requests()
             self._maybe_finish()
             return self._flush()
