@@ -2,18 +2,26 @@
 
 1. Start the real mailbox server and transit relay (embedded, loopback).
 2. Two wormholes exchange a text (code, PAKE, key confirmation).
-3. A Parquet file is sent over classic Transit while Spark loads it with
-   ``spark.read.format("dilation")`` from the code alone, and the rows are
-   checked against the source.
+3. A Parquet file goes over classic Transit (what ``wormhole send`` speaks)
+   and its SHA-256 is checked on arrival.
+4. Two separate Spark applications (``spark_peer`` processes) move a
+   generated dataset of mixed types (1,000,000 rows by default) with
+   ``df.write.format("dilation")`` and ``spark.read.format("dilation")``.
+   Both compute an order-independent digest of every row; the demo fails
+   unless count, schema and digest agree, then prints the sender's report.
 
-The reactor runs in a crochet thread so Spark can own the main thread.
+Spark's logs go to files (the demo prints where). The reactor runs in a
+crochet thread.
 """
 
 from __future__ import annotations
 
+import json
 import os
+import subprocess
 import sys
 import tempfile
+import time
 from pathlib import Path
 from typing import Any, TextIO
 
@@ -26,7 +34,10 @@ from .transit.connector import TransitConnector
 from .wormhole import Wormhole
 from .wormhole.blocking import ensure_reactor
 
-ROWS = 100_000
+ROWS = 1_000_000
+FILE_ROWS = 10_000
+PEER_TIMEOUT = 900.0
+REPORT_PREFIX = "spark-dilation transfer report: "
 
 
 def _reactor() -> Any:
@@ -66,91 +77,208 @@ def _text_exchange(mailbox_url: str) -> defer.Deferred:
     return defer.ensureDeferred(go())
 
 
-@crochet.run_in_reactor
-def _send_file(mailbox_url: str, relay_url: str, path: Path, code: str) -> defer.Deferred:
-    async def go() -> str:
-        w = Wormhole(offers.APPID, mailbox_url, _reactor(), timeout=120)
-        w.set_code(code)
-        connector = TransitConnector(_reactor(), is_sender=True, relay_url=relay_url)
+@crochet.wait_for(timeout=120)
+def _file_exchange(mailbox_url: str, relay_url: str, path: Path, dest: Path) -> defer.Deferred:
+    """Send ``path`` over classic Transit to a receiver in this process."""
+
+    async def go() -> tuple[str, str, Any]:
+        sender = Wormhole(offers.APPID, mailbox_url, _reactor(), timeout=30)
+        sender.allocate_code()
+        code = await sender.get_code()
+        receiver = Wormhole(offers.APPID, mailbox_url, _reactor(), timeout=30)
+        receiver.set_code(code)
         try:
-            digest = await filetransfer.send_path(w, path, connector)
-        except BaseException:
-            await defer.maybeDeferred(w.close).addErrback(lambda f: None)
-            raise
-        await w.close()
-        return digest
+            sent, got = await defer.gatherResults(
+                [
+                    defer.ensureDeferred(
+                        filetransfer.send_path(
+                            sender,
+                            path,
+                            TransitConnector(_reactor(), is_sender=True, relay_url=relay_url),
+                        )
+                    ),
+                    defer.ensureDeferred(
+                        filetransfer.receive(
+                            receiver,
+                            dest,
+                            TransitConnector(_reactor(), is_sender=False, relay_url=relay_url),
+                        )
+                    ),
+                ],
+                consumeErrors=True,
+            )
+        except defer.FirstError as e:
+            e.subFailure.raiseException()
+        finally:
+            await defer.gatherResults([sender.close(), receiver.close()], consumeErrors=True)
+        return code, sent, got
 
     return defer.ensureDeferred(go())
 
 
-def _write_parquet(path: Path) -> Any:
+def _write_parquet(path: Path) -> None:
     import pyarrow as pa
     import pyarrow.parquet as pq
 
     table = pa.table(
         {
-            "id": pa.array(range(ROWS), pa.int64()),
-            "city": pa.array([("Oslo", "Lagos", "Lima", "Pune")[i % 4] for i in range(ROWS)]),
-            "amount": pa.array([round(i * 0.37, 2) for i in range(ROWS)], pa.float64()),
+            "id": pa.array(range(FILE_ROWS), pa.int64()),
+            "city": pa.array([("Oslo", "Lagos", "Lima", "Pune")[i % 4] for i in range(FILE_ROWS)]),
+            "amount": pa.array([round(i * 0.37, 2) for i in range(FILE_ROWS)], pa.float64()),
         }
     )
-    pq.write_table(table, path, row_group_size=25_000)
-    return table
+    pq.write_table(table, path)
 
 
-def run(out: TextIO = sys.stdout, *, spark: bool = True) -> int:
+def run(out: TextIO = sys.stdout, *, spark: bool = True, rows: int = ROWS) -> int:
     """Run the demo; returns a process exit code."""
+    started = time.monotonic()
     ensure_reactor()
     servers = _start_servers()
     try:
         print(f"mailbox server: {servers.mailbox_url}", file=out)
         print(f"transit relay:  {servers.relay_url}", file=out)
         code, message = _text_exchange(servers.mailbox_url)
-        print(f"[1/2] text over the wormhole with code {code}: {message!r}", file=out)
+        print(f"[1/3] text over the wormhole with code {code}: {message!r}", file=out)
+        with tempfile.TemporaryDirectory(prefix="spark-dilation-demo-") as tmp:
+            source = Path(tmp) / "sales.parquet"
+            _write_parquet(source)
+            code, sent, got = _file_exchange(
+                servers.mailbox_url, servers.relay_url, source, Path(tmp) / "inbox"
+            )
+            if got.sha256 != sent or got.path.read_bytes() != source.read_bytes():
+                raise DilationError("demo failed: the received file differs from the source")
+            print(
+                f"[2/3] file {source.name} ({got.size:,} bytes) over classic Transit with "
+                f"code {code}: SHA-256 verified",
+                file=out,
+            )
         if not spark:
             print("demo: OK (Spark part skipped)", file=out)
             return 0
-        with tempfile.TemporaryDirectory(prefix="spark-dilation-demo-") as tmp:
-            source = Path(tmp) / "sales.parquet"
-            table = _write_parquet(source)
-            code = "4-demo-dataset"
-            sending = _send_file(servers.mailbox_url, servers.relay_url, source, code)
-            print(f"[2/2] sending {source.name} ({ROWS} rows) with code {code}", file=out)
-            df = _load_in_spark(code, servers, Path(tmp) / "staging")
-            got = sorted(tuple(r) for r in df.collect())
-            sending.wait(120)
-            want = sorted(zip(*(table[c].to_pylist() for c in table.column_names), strict=True))
-            if got != want:
-                raise DilationError("demo failed: the rows Spark loaded differ from the source")
-            for row in df.groupBy("city").count().orderBy("city").collect():
-                print(f"    {row['city']:<6} {row['count']:>7} rows", file=out)
-            print(f"Spark loaded {len(got)} rows from the code alone; content verified.", file=out)
-        print("demo: OK", file=out)
+        out.flush()
+        _spark_to_spark(out, servers, rows)
+        print(f"demo: OK ({time.monotonic() - started:.0f} s)", file=out)
         return 0
     finally:
         _stop_servers(servers)
 
 
-def _load_in_spark(code: str, servers: Any, staging: Path) -> Any:
-    os.environ.setdefault("PYSPARK_PYTHON", sys.executable)
-    os.environ.setdefault("SPARK_LOCAL_IP", "127.0.0.1")
-    from pyspark.sql import SparkSession
+class _Peer:
+    """One Spark application (``spark_peer``); its Spark logs go to a file."""
 
-    spark = (
-        SparkSession.builder.master("local[2]")
-        .appName("spark-dilation-demo")
-        .config("spark.ui.enabled", "false")
-        .config("spark.ui.showConsoleProgress", "false")
-        .config("spark.sql.shuffle.partitions", "2")
-        .getOrCreate()
+    def __init__(self, side: str, code: str, servers: Any, logs: Path, *args: str) -> None:
+        self.side = side
+        self.log = logs / f"{side}.log"
+        env = dict(os.environ, PYSPARK_PYTHON=sys.executable, SPARK_LOCAL_IP="127.0.0.1")
+        with self.log.open("w") as log:
+            self.proc = subprocess.Popen(
+                [
+                    sys.executable,
+                    "-m",
+                    "spark_dilation.testing.spark_peer",
+                    side,
+                    "--code",
+                    code,
+                    "--mailbox",
+                    servers.mailbox_url,
+                    "--relay",
+                    servers.relay_url,
+                    "--digest",
+                    "--option",
+                    f"peer_timeout={PEER_TIMEOUT:g}",
+                    *args,
+                ],
+                stdin=subprocess.DEVNULL,
+                stdout=subprocess.PIPE,
+                stderr=log,
+                env=env,
+            )
+
+    def result(self, timeout: float) -> dict[str, Any]:
+        try:
+            stdout, _ = self.proc.communicate(timeout=timeout)
+        except subprocess.TimeoutExpired:
+            self.kill()
+            raise DilationError(
+                f"demo failed: the Spark {self.side}er did not finish within {timeout:g} s "
+                f"(its log: {self.log})"
+            ) from None
+        lines = [line for line in stdout.decode().splitlines() if line.startswith("{")]
+        if not lines:
+            raise DilationError(
+                f"demo failed: the Spark {self.side}er exited ({self.proc.returncode}) without "
+                f"a result (its log: {self.log})"
+            )
+        result = json.loads(lines[-1])
+        if "error" in result or self.proc.returncode != 0:
+            raise DilationError(
+                f"demo failed: the Spark {self.side}er: {result.get('error', 'failed')} "
+                f"(its log: {self.log})"
+            )
+        return result
+
+    def kill(self) -> None:
+        if self.proc.poll() is None:
+            self.proc.kill()
+            self.proc.wait()
+
+    def report(self) -> dict[str, Any]:
+        lines = [
+            line
+            for line in self.log.read_text(errors="replace").splitlines()
+            if line.startswith(REPORT_PREFIX)
+        ]
+        if not lines:
+            raise DilationError(f"demo failed: the sender logged no transfer report ({self.log})")
+        return json.loads(lines[-1][len(REPORT_PREFIX) :])
+
+
+def _spark_to_spark(out: TextIO, servers: Any, rows: int) -> None:
+    code = "5-demo-spark-to-spark"
+    logs = Path(tempfile.mkdtemp(prefix="spark-dilation-demo-logs-"))
+    print(
+        f"[3/3] Spark -> Spark: {rows:,} rows of 12 column types with code {code}\n"
+        f"      two Spark applications, local[2] each (Spark logs: {logs})",
+        file=out,
     )
-    spark.sparkContext.setLogLevel("ERROR")
-    return (
-        spark.read.format("dilation")
-        .option("code", code)
-        .option("accept", "file")
-        .option("mailbox", servers.mailbox_url)
-        .option("relay", servers.relay_url)
-        .option("staging_dir", str(staging))
-        .load()
+    out.flush()
+    with tempfile.TemporaryDirectory(prefix="spark-dilation-demo-") as tmp:
+        staging = f"staging_dir={Path(tmp) / 'staging'}"
+        receiver = _Peer("receive", code, servers, logs, "--no-show", "--option", staging)
+        sender = _Peer("send", code, servers, logs, "--rows", str(rows), "--partitions", "4")
+        try:
+            sent = sender.result(PEER_TIMEOUT + 120)
+            got = receiver.result(PEER_TIMEOUT + 120)
+        finally:
+            sender.kill()
+            receiver.kill()
+    report = sender.report()
+    problems = []
+    if got["count"] != rows:
+        problems.append(f"the receiver counted {got['count']:,} rows, not {rows:,}")
+    if json.loads(got["schema"]) != json.loads(sent["schema"]):
+        problems.append("the schemas differ")
+    if got["digest"] != sent["digest"]:
+        problems.append(f"row digests differ: sent {sent['digest']}, received {got['digest']}")
+    if report["rows"] != rows:
+        problems.append(f"the sender reported {report['rows']:,} rows")
+    if problems:
+        raise DilationError("demo failed: " + "; ".join(problems))
+    rate = report["rows"] / report["seconds"] if report["seconds"] > 0 else 0.0
+    print(
+        f"      rows {report['rows']:,} | bytes {report['bytes']:,} "
+        f"({report['bytes'] / 1e6:,.1f} MB) | {report['seconds']:.1f} s | {rate:,.0f} rows/s",
+        file=out,
+    )
+    print(
+        f"      path {report['path']} | connections {report['connections']} | "
+        f"reconnects {report['reconnects']} | {report['partitions']} partitions over "
+        f"{report['lanes']} lanes",
+        file=out,
+    )
+    print(
+        f"      content verified: count, schema and row digest equal on both sides "
+        f"(digest {int(sent['digest'][1]) % 10**12:012d}...)",
+        file=out,
     )

@@ -10,8 +10,11 @@ demo and the benchmark start this module twice with ``subprocess``::
 the benchmark's three columns with ``--shape bench``), optionally writes it
 to ``--expected DIR`` as Parquet, and writes it with
 ``format("dilation")``. ``receive`` loads it, runs ``show()`` then
-``count()``, and writes it to ``--out DIR`` as Parquet. Each side prints one
-JSON line to stdout with what it did (``{"side": ..., "rows": ..., ...}``).
+``count()``, and writes it to ``--out DIR`` as Parquet. With ``--digest``
+each side also computes an order-independent digest of every row (see
+:func:`digest`), so two processes can compare content without moving it
+again. Each side prints one JSON line to stdout with what it did
+(``{"side": ..., "rows": ..., ...}``).
 """
 
 from __future__ import annotations
@@ -68,6 +71,28 @@ def generate(spark: Any, rows: int, partitions: int, shape: str) -> Any:
     return spark.range(0, rows, numPartitions=partitions).selectExpr(*columns)
 
 
+def digest(df: Any) -> list[str]:
+    """Row count and two sums of 64-bit row hashes: equal for equal rows in any order.
+
+    Each row hashes every column and its null flag (``xxhash64`` skips nulls,
+    so the flag tells ``(NULL, 1)`` from ``(1, NULL)``); maps hash as their
+    sorted entries (Spark refuses to hash maps). The sums are decimals, so
+    they cannot overflow.
+    """
+    from pyspark.sql import functions as F
+    from pyspark.sql.types import MapType
+
+    columns = []
+    for f in df.schema.fields:
+        c = F.col(f"`{f.name}`")
+        columns += [F.array_sort(F.map_entries(c)) if isinstance(f.dataType, MapType) else c]
+        columns += [F.isnull(c)]
+    h1 = F.xxhash64(*columns).cast("decimal(38,0)")
+    h2 = F.xxhash64(F.lit("spark-dilation"), *columns).cast("decimal(38,0)")
+    row = df.agg(F.count(F.lit(1)), F.sum(h1), F.sum(h2)).first()
+    return [str(v) for v in row]
+
+
 def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("side", choices=["send", "receive"])
@@ -81,6 +106,7 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--expected", help="send: also write the data here as Parquet")
     p.add_argument("--out", help="receive: write what arrived here as Parquet")
     p.add_argument("--no-show", action="store_true", help="receive: skip show() before count()")
+    p.add_argument("--digest", action="store_true", help="both: digest every row (see digest())")
     p.add_argument("--option", action="append", default=[], help="KEY=VALUE for format(dilation)")
     p.add_argument("--conf", action="append", default=[], help="KEY=VALUE for the SparkSession")
     args = p.parse_args(argv)
@@ -96,9 +122,11 @@ def main(argv: list[str] | None = None) -> int:
     try:
         if args.side == "send":
             df = generate(spark, args.rows, args.partitions, args.shape)
+            result["schema"] = df.schema.json()
             if args.expected:
                 df.write.mode("overwrite").parquet(args.expected)
-                result["schema"] = df.schema.json()
+            if args.digest:
+                result["digest"] = digest(df)
             started = time.monotonic()
             result["t0"] = time.time()
             df.write.format("dilation").options(**options).mode("append").save()
@@ -112,6 +140,8 @@ def main(argv: list[str] | None = None) -> int:
                 df.show(3, truncate=40)
             result["count"] = df.count()
             result["t1"] = time.time()
+            if args.digest:
+                result["digest"] = digest(df)
             if args.out:
                 df.write.mode("overwrite").parquet(args.out)
             result["rows"] = result["count"]
