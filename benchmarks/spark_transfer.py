@@ -317,7 +317,8 @@ def _manual_send(argv: list[str]) -> None:
     Path(a.go).write_text("go")
     cli = Path(sys.executable).parent / "spark-dilation"
     subprocess.run(
-        [str(cli), "--mailbox", a.mailbox, "send", "--relay", a.relay, "--code", a.code, a.dir],
+        [str(cli), "--mailbox", a.mailbox, "send", "--classic", "--relay", a.relay, "--code",
+         a.code, a.dir],
         check=True, capture_output=True, timeout=3600,
     )  # fmt: skip
     print(json.dumps({"write_s": round(write_s, 3)}), flush=True)

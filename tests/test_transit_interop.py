@@ -138,7 +138,10 @@ def servers(wormhole_servers) -> Endpoints:
 
 
 def ours_send(s: Endpoints, code: str, path: str, *extra: str) -> list[str]:
-    return [OURS, "--mailbox", s.mailbox, "send", "--relay", s.relay, "--code", code, *extra, path]
+    return [
+        OURS, "--mailbox", s.mailbox, "send", "--classic", "--relay", s.relay, "--code", code,
+        *extra, path,
+    ]  # fmt: skip
 
 
 def ours_receive(s: Endpoints, code: str, *extra: str) -> list[str]:

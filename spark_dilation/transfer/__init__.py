@@ -14,7 +14,9 @@ from typing import Any
 
 _EXPORTS = {
     "DatasetSender": ".api",
+    "Progress": ".report",
     "ReceivedDataset": ".api",
+    "receive_agreed": ".api",
     "receive_dataset": ".api",
     "receive_table": ".api",
     "send_dataset": ".api",

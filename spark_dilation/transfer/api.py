@@ -18,6 +18,7 @@ partition whose lane vanished before confirming it is sent again.
 
 from __future__ import annotations
 
+import contextlib
 import logging
 import math
 import shutil
@@ -30,14 +31,15 @@ from pathlib import Path
 from typing import Any
 
 import pyarrow as pa
+import pyarrow.csv as pacsv
 import pyarrow.dataset as ds
 import pyarrow.parquet as pq
 
 from ..errors import TransferError
-from .lane import LaneStaging, lane_receiver, read_staged
+from .lane import LaneStaging, _rows_of, lane_receiver, read_staged
 from .options import TransferOptions
 from .protocol import CommittedPartition, Manifest
-from .report import TransferReport, combine_paths
+from .report import Progress, TransferReport, combine_paths
 from .sender import ConnectionPool, LaneLostError, deliver_abort, deliver_manifest, send_partition
 from .session import ReceivedFileResult, SenderSession, receive_session
 from .spec import TransferSpec
@@ -46,6 +48,8 @@ log = logging.getLogger(__name__)
 
 TARGET_PARTITION_BYTES = 64 * 1024 * 1024
 MAX_ATTEMPTS = 3
+PROGRESS_INTERVAL = 0.5  # seconds between progress snapshots
+ProgressCallback = Callable[[Progress], None]
 _FORMATS = {
     ".parquet": "parquet",
     ".csv": "csv",
@@ -74,29 +78,82 @@ class _Partitions:
     makers: list[Callable[[], Iterator[pa.RecordBatch]]]
 
 
+def _data_files(path: Path) -> list[Path]:
+    """The data files under a folder, skipping hidden and ``_``-prefixed names (``_SUCCESS``)."""
+    return sorted(
+        f
+        for f in path.rglob("*")
+        if f.is_file()
+        and f.suffix.lower() in _FORMATS
+        and not any(part.startswith((".", "_")) for part in f.relative_to(path).parts)
+    )
+
+
+def _format_of(path: Path) -> str:
+    suffix = path.suffix.lower()
+    if suffix not in _FORMATS:
+        raise TransferError(
+            f"cannot tell the format of {path.name}: name it .parquet, .csv, .json/.jsonl "
+            "(JSON lines) or .arrow/.feather (Arrow IPC)"
+        )
+    return _FORMATS[suffix]
+
+
 def _as_dataset(source: Any) -> ds.Dataset:
+    """A ``pyarrow.dataset`` over files and folders of one format (folders: Hive partitions)."""
     if isinstance(source, ds.Dataset):
         return source
     paths = [Path(source)] if isinstance(source, str | Path) else [Path(p) for p in source]
     if not paths:
         raise TransferError("nothing to send: no files given")
+    files: list[Path] = []
     for p in paths:
         if not p.exists():
             raise TransferError(f"{p} does not exist")
-    first = paths[0]
-    if first.is_dir():
-        files = sorted(f for f in first.rglob("*") if f.suffix.lower() in _FORMATS)
-        if not files:
-            raise TransferError(f"{first} holds no Parquet, CSV, JSON-lines or Arrow files to send")
-        suffix = files[0].suffix.lower()
-        return ds.dataset(first, format=_FORMATS[suffix], partitioning="hive")
-    suffix = first.suffix.lower()
-    if suffix not in _FORMATS:
+        if p.is_dir():
+            found = _data_files(p)
+            if not found:
+                raise TransferError(f"{p} holds no Parquet, CSV, JSON-lines or Arrow files to send")
+            files += found
+        else:
+            files.append(p)
+    formats = {_format_of(f) for f in files}
+    if len(formats) > 1:
         raise TransferError(
-            f"cannot tell the format of {first.name}: name it .parquet, .csv, .json (JSON "
-            "lines) or .arrow"
+            f"the files to send mix formats ({', '.join(sorted(formats))}): send one format "
+            "at a time"
         )
-    return ds.dataset([str(p) for p in paths], format=_FORMATS[suffix])
+    (fmt,) = formats
+    folder = paths[0] if len(paths) == 1 and paths[0].is_dir() else None
+    try:
+        if folder is not None:
+            return ds.dataset(
+                [str(f) for f in files],
+                format=fmt,
+                partitioning="hive",
+                partition_base_dir=str(folder),
+            )
+        return ds.dataset([str(f) for f in files], format=fmt)
+    except (pa.ArrowException, OSError) as e:
+        kind = {"parquet": "Parquet", "csv": "CSV", "json": "JSON lines", "ipc": "Arrow IPC"}
+        raise TransferError(f"cannot read {files[0]} as {kind[fmt]}: {e}") from e
+
+
+def _total_rows(source: pa.Table | pa.RecordBatch | ds.Dataset) -> int | None:
+    """The row count if the source knows it cheaply (tables; Parquet and Arrow metadata)."""
+    if isinstance(source, pa.Table | pa.RecordBatch):
+        return source.num_rows
+    if isinstance(source, ds.FileSystemDataset) and source.format.default_extname in (
+        "parquet",
+        "arrow",
+        "feather",
+        "ipc",
+    ):
+        try:
+            return source.count_rows()
+        except (pa.ArrowException, OSError):
+            return None
+    return None
 
 
 def _partitions(source: Any, min_partitions: int) -> _Partitions:
@@ -143,18 +200,32 @@ class DatasetSender:
         )
         self.code: str = self._session.code
 
-    def wait(self) -> TransferReport:
-        """Wait for the receiver, send every partition, deliver the manifest; the report."""
+    def wait(
+        self,
+        on_progress: ProgressCallback | None = None,
+        *,
+        interval: float = PROGRESS_INTERVAL,
+    ) -> TransferReport:
+        """Wait for the receiver, send every partition, deliver the manifest; the report.
+
+        ``on_progress`` gets a :class:`Progress` every ``interval`` seconds
+        while partitions move (from a helper thread), and a last one with
+        ``done=True``.
+        """
         spec = self._session.wait()
         started = time.monotonic()
         parts = _partitions(self._source, spec.lanes)
         connections = ConnectionPool()
+        meter = _SendMeter(spec.transfer_id, connections, _total_rows(self._source), started)
+        ticker = _Ticker(meter.snapshot, on_progress, interval)
         try:
-            committed = _send_all(spec, parts.makers, connections)
+            committed = _send_all(spec, meter.wrap(parts.makers), connections, meter)
         except BaseException as e:
+            ticker.stop(final=False)
             deliver_abort(spec, f"the sender failed: {e}")
             connections.close_transfer(spec.transfer_id)
             raise
+        ticker.stop()
         stats = connections.stats(spec.transfer_id)
         manifest = deliver_manifest(spec, committed)
         connections.close_transfer(spec.transfer_id)
@@ -171,17 +242,108 @@ class DatasetSender:
         )
 
 
+class _Ticker:
+    """Calls ``on_progress(snapshot())`` every ``interval`` s in a thread until stopped."""
+
+    def __init__(
+        self,
+        snapshot: Callable[[bool], Progress],
+        on_progress: ProgressCallback | None,
+        interval: float,
+    ) -> None:
+        self._snapshot = snapshot
+        self._on_progress = on_progress
+        self._interval = interval
+        self._stop = threading.Event()
+        self._thread: threading.Thread | None = None
+        if on_progress is not None:
+            self._thread = threading.Thread(target=self._run, name="progress", daemon=True)
+            self._thread.start()
+
+    def _emit(self, done: bool) -> None:
+        assert self._on_progress is not None
+        try:
+            self._on_progress(self._snapshot(done))
+        except Exception:  # a broken callback must not break the transfer
+            log.exception("the progress callback failed")
+
+    def _run(self) -> None:
+        while not self._stop.wait(self._interval):
+            self._emit(False)
+
+    def stop(self, final: bool = True) -> None:
+        """Stop ticking; with ``final`` emit the last snapshot (``done=True``)."""
+        if self._thread is None:
+            return
+        self._stop.set()
+        self._thread.join()
+        self._thread = None
+        if final:
+            self._emit(True)
+
+
+class _SendMeter:
+    """Rows and bytes handed to the connections, per partition (a retry starts again)."""
+
+    def __init__(
+        self, transfer_id: str, connections: ConnectionPool, total_rows: int | None, started: float
+    ) -> None:
+        self._transfer_id = transfer_id
+        self._connections = connections
+        self._total_rows = total_rows
+        self._started = started
+        self._lock = threading.Lock()
+        self._rows: dict[int, int] = {}
+        self._bytes: dict[int, int] = {}
+        self.committed = 0
+
+    def wrap(
+        self, makers: list[Callable[[], Iterator[pa.RecordBatch]]]
+    ) -> list[Callable[[], Iterator[pa.RecordBatch]]]:
+        def counting(partition: int) -> Iterator[pa.RecordBatch]:
+            with self._lock:
+                self._rows[partition] = self._bytes[partition] = 0
+            for batch in makers[partition]():
+                yield batch
+                with self._lock:
+                    self._rows[partition] += batch.num_rows
+                    self._bytes[partition] += batch.nbytes
+
+        return [(lambda p=p: counting(p)) for p in range(len(makers))]
+
+    def snapshot(self, done: bool = False) -> Progress:
+        stats = self._connections.stats(self._transfer_id)
+        with self._lock:
+            rows, nbytes = sum(self._rows.values()), sum(self._bytes.values())
+        return Progress(
+            side="send",
+            rows=rows,
+            bytes=nbytes,
+            seconds=time.monotonic() - self._started,
+            partitions=self.committed,
+            total_rows=self._total_rows,
+            connections=stats.connections_opened,
+            reconnects=stats.reconnects,
+            path=combine_paths(stats.paths),
+            done=done,
+        )
+
+
 def _send_all(
     spec: TransferSpec,
     makers: list[Callable[[], Iterator[pa.RecordBatch]]],
     connections: ConnectionPool,
+    meter: _SendMeter | None = None,
 ) -> list[CommittedPartition]:
     def one(partition: int) -> CommittedPartition:
         for attempt in range(MAX_ATTEMPTS):
             try:
-                return send_partition(
+                committed = send_partition(
                     spec, partition, attempt, makers[partition](), connections=connections
                 )
+                if meter is not None:
+                    meter.committed += 1
+                return committed
             except LaneLostError as e:
                 if attempt + 1 == MAX_ATTEMPTS:
                     raise
@@ -198,6 +360,7 @@ def send_dataset(
     code: str | None = None,
     *,
     on_code: Callable[[str], None] | None = None,
+    on_progress: ProgressCallback | None = None,
     options: TransferOptions | None = None,
     **overrides: Any,
 ) -> TransferReport:
@@ -206,14 +369,16 @@ def send_dataset(
     ``source``: a ``pyarrow.Table``, a ``pyarrow.dataset.Dataset``, or paths
     of Parquet, CSV, JSON-lines or Arrow IPC files (or a folder of them).
     Without ``code`` one is allocated and given to ``on_code`` (default: log
-    it). ``overrides`` are :class:`TransferOptions` fields (``mailbox=...``).
+    it). ``on_progress`` gets :class:`Progress` snapshots (see
+    :meth:`DatasetSender.wait`). ``overrides`` are :class:`TransferOptions`
+    fields (``mailbox=...``).
     """
     sender = DatasetSender(source, code=code, options=_options(options, overrides))
     if on_code is not None:
         on_code(sender.code)
     else:
         log.warning("wormhole code: %s", sender.code)
-    return sender.wait()
+    return sender.wait(on_progress)
 
 
 # --- receiving ------------------------------------------------------------------------------
@@ -229,18 +394,88 @@ class ReceivedDataset:
     files: list[Path] = field(default_factory=list)
 
 
-def _wait_lanes(spec: TransferSpec) -> tuple[list[Manifest], int, int, list[str]]:
+RECEIVE_FORMATS = ("parquet", "arrow", "csv")
+
+
+def format_refusal(schema: pa.Schema, format: str) -> str | None:
+    """Why files of ``format`` cannot hold ``schema`` (``None`` if they can)."""
+    if format not in RECEIVE_FORMATS:
+        return f"format={format!r}: choose {', '.join(RECEIVE_FORMATS)}"
+    if format == "csv":
+        nested = [
+            f"{f.name} ({f.type})"
+            for f in schema
+            if pa.types.is_nested(f.type) or pa.types.is_dictionary(f.type)
+        ]
+        if nested:
+            return (
+                f"CSV cannot hold the nested column(s) {', '.join(nested)}: receive as parquet "
+                "or arrow instead"
+            )
+    return None
+
+
+class _ReceiveMeter:
+    """Rows and bytes staged by this process' lanes, read from the staging folders."""
+
+    def __init__(self, receivers: list[Any], started: float) -> None:
+        self._receivers = receivers
+        self._started = started
+        self._rows: dict[Path, int] = {}
+
+    def snapshot(self, done: bool = False) -> Progress:
+        rows = nbytes = partitions = connections = reconnects = 0
+        paths: list[str] = []
+        for r in self._receivers:
+            made, again, seen = r.live_stats()
+            connections += made
+            reconnects += again
+            paths += seen
+            with contextlib.suppress(OSError):
+                for f in r.staging.dir.iterdir():
+                    if f.suffix not in (".arrow", ".partial"):
+                        continue
+                    with contextlib.suppress(OSError):
+                        nbytes += f.stat().st_size
+                    if f.suffix == ".arrow":
+                        partitions += 1
+                        if f not in self._rows:
+                            with contextlib.suppress(OSError, pa.ArrowException):
+                                self._rows[f] = _rows_of(f)
+                        rows += self._rows.get(f, 0)
+        return Progress(
+            side="receive",
+            rows=rows,
+            bytes=nbytes,
+            seconds=time.monotonic() - self._started,
+            partitions=partitions,
+            connections=connections,
+            reconnects=reconnects,
+            path=combine_paths(paths),
+            done=done,
+        )
+
+
+def _wait_lanes(
+    spec: TransferSpec, on_progress: ProgressCallback | None, interval: float
+) -> tuple[list[Manifest], int, int, list[str]]:
     receivers = [lane_receiver(spec, lane) for lane in range(spec.lanes)]
     if any(r is None for r in receivers):
+        for other in receivers:
+            if other is not None:
+                other.stop(linger=0)
         raise TransferError("another process on this machine is already receiving this transfer")
+    ticker = _Ticker(_ReceiveMeter(receivers, time.monotonic()).snapshot, on_progress, interval)
     for r in receivers:
         assert r is not None
         error = r.wait_finished()
         if error is not None:
+            ticker.stop(final=False)
             for other in receivers:
                 assert other is not None
                 other.stop(linger=0)
             raise error
+    ticker.stop()
     manifests = []
     paths = []
     connections = reconnects = 0
@@ -261,22 +496,47 @@ def receive_dataset(
     dest: str | Path | None = None,
     *,
     format: str = "parquet",
+    on_progress: ProgressCallback | None = None,
     options: TransferOptions | None = None,
     **overrides: Any,
 ) -> ReceivedDataset:
     """Receive a dataset (blocking): into a ``pyarrow.Table``, or into files under ``dest``.
 
-    ``format`` of the files: ``parquet`` (default) or ``arrow``; one file per
-    sender partition, named ``part-NNNNN``. The whole transfer runs in this
-    process with ``lanes`` parallel lanes.
+    ``format`` of the files: ``parquet`` (default), ``arrow`` (Arrow IPC file) or
+    ``csv`` (flat schemas only); one file per sender partition, named
+    ``part-NNNNN``. The whole transfer runs in this process with ``lanes``
+    parallel lanes. ``on_progress`` gets :class:`Progress` snapshots of what
+    is staged, every half second and once at the end (``done=True``).
     """
     opts = _options(options, overrides)
-    if format not in ("parquet", "arrow"):
-        raise TransferError(f"format={format!r}: choose parquet or arrow")
+    if format not in RECEIVE_FORMATS:
+        raise TransferError(f"format={format!r}: choose {', '.join(RECEIVE_FORMATS)}")
     started = time.monotonic()
     spec = receive_session(code, opts, accept_file=False)
     assert not isinstance(spec, ReceivedFileResult)
-    manifests, connections, reconnects, paths = _wait_lanes(spec)
+    return receive_agreed(spec, dest, format=format, on_progress=on_progress, started=started)
+
+
+def receive_agreed(
+    spec: TransferSpec,
+    dest: str | Path | None = None,
+    *,
+    format: str = "parquet",
+    on_progress: ProgressCallback | None = None,
+    interval: float = PROGRESS_INTERVAL,
+    started: float | None = None,
+) -> ReceivedDataset:
+    """The rest of :func:`receive_dataset` once a session agreed on ``spec``.
+
+    For callers that run the session themselves (the CLI, which also takes
+    files and texts from the same code; see :func:`.session.accept_offer`).
+    """
+    opts = spec.options
+    refusal = format_refusal(spec.schema, format) if dest is not None else None
+    if refusal is not None:
+        raise TransferError(refusal)
+    started = time.monotonic() if started is None else started
+    manifests, connections, reconnects, paths = _wait_lanes(spec, on_progress, interval)
     partitions = sorted(
         (c for lane, m in enumerate(manifests) for c in m.for_lane(lane)),
         key=lambda c: c.partition,
@@ -311,11 +571,16 @@ def receive_dataset(
             out.mkdir(parents=True, exist_ok=True)
             for c in partitions:
                 src = staging[c.lane].complete_path(c.partition)
-                if format == "arrow":
-                    target = out / f"part-{c.partition:05d}.arrow"
-                    shutil.copyfile(src, target)
+                target = out / f"part-{c.partition:05d}.{format}"
+                if format == "arrow":  # the IPC file format (what .arrow/Feather v2 readers take)
+                    with pa.ipc.new_file(target, spec.schema) as writer:
+                        for b in read_staged(src):
+                            writer.write_batch(b)
+                elif format == "csv":
+                    with pacsv.CSVWriter(target, spec.schema) as writer:
+                        for b in read_staged(src):
+                            writer.write_batch(b)
                 else:
-                    target = out / f"part-{c.partition:05d}.parquet"
                     with pq.ParquetWriter(target, spec.schema) as writer:
                         for b in read_staged(src):
                             writer.write_batch(b)
@@ -351,8 +616,12 @@ def send_in_background(
 
 
 __all__ = [
+    "RECEIVE_FORMATS",
     "DatasetSender",
+    "Progress",
     "ReceivedDataset",
+    "format_refusal",
+    "receive_agreed",
     "receive_dataset",
     "receive_table",
     "send_dataset",

@@ -36,6 +36,7 @@ from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
+import crochet
 import pyarrow as pa
 import pyarrow.ipc as ipc
 
@@ -175,6 +176,19 @@ class LaneReceiver:
                     os.close(self._lock_fd)
                 self._lock_fd = -1
 
+    def live_stats(self) -> tuple[int, int, list[str]]:
+        """(connections made, reconnects, paths) now, for progress reports."""
+        with self._cond:
+            conns = list(self._connections)
+        paths = list(self.paths)
+        reconnects = self.reconnects
+        for conn in conns:
+            with contextlib.suppress(Exception):
+                status = conn.status()
+                paths.append(path_of(status.connection))
+                reconnects += max(0, status.generation)
+        return self.connections_made, reconnects, paths
+
     def wait_finished(self) -> BaseException | None:
         """Block until the lane is done or failed, or idle for ``idle_timeout``; its error."""
         idle = self.spec.options.idle_timeout
@@ -226,8 +240,8 @@ class LaneReceiver:
                     peer_timeout=opts.reconnect_timeout,
                     timeout=opts.reconnect_timeout,
                 )
-            except RendezvousCancelled:
-                return
+            except (RendezvousCancelled, crochet.ReactorStopped):
+                return  # stopped, or the process is exiting (a CLI after its transfer)
             except DilationError as e:  # mailbox unreachable and the like
                 log.warning("lane %d: rendezvous failed: %s", self.lane, e)
                 self._finish(e)

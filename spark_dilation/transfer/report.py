@@ -68,3 +68,56 @@ def merge_stats(stats: Iterable[ConnectionStats]) -> tuple[int, int, str]:
     connections = sum(s.connections_opened for s in latest.values())
     reconnects = sum(s.reconnects for s in latest.values())
     return connections, reconnects, combine_paths(p for s in latest.values() for p in s.paths)
+
+
+@dataclass(frozen=True)
+class Progress:
+    """A snapshot of a transfer under way, for progress bars and scripts.
+
+    ``rows``/``bytes`` count what has been handed to the connection (sender)
+    or staged (receiver) so far; ``total_rows`` is known when the source says
+    cheaply (a table, Parquet or Arrow files), ``total_bytes`` for plain files.
+    ``path``, ``connections`` and ``reconnects`` describe the live Dilation
+    (or Transit) connections; ``done`` marks the last snapshot.
+    """
+
+    side: str  # "send" or "receive"
+    rows: int
+    bytes: int
+    seconds: float
+    partitions: int = 0  # partitions confirmed (sender) or staged (receiver)
+    total_rows: int | None = None
+    total_bytes: int | None = None
+    connections: int = 0
+    reconnects: int = 0
+    path: str = "unknown"
+    done: bool = False
+
+    @property
+    def rows_per_s(self) -> float:
+        return self.rows / self.seconds if self.seconds > 0 else 0.0
+
+    @property
+    def bytes_per_s(self) -> float:
+        return self.bytes / self.seconds if self.seconds > 0 else 0.0
+
+    @property
+    def eta_seconds(self) -> float | None:
+        """Seconds left at the average rate so far, when the total is known."""
+        if self.done:
+            return 0.0
+        if self.total_rows and self.rows:
+            return max(0.0, (self.total_rows - self.rows) / self.rows_per_s)
+        if self.total_bytes and self.bytes:
+            return max(0.0, (self.total_bytes - self.bytes) / self.bytes_per_s)
+        return None
+
+    def to_dict(self) -> dict[str, object]:
+        eta = self.eta_seconds
+        return {
+            **asdict(self),
+            "seconds": round(self.seconds, 3),
+            "rows_per_s": round(self.rows_per_s, 1),
+            "bytes_per_s": round(self.bytes_per_s, 1),
+            "eta_seconds": None if eta is None else round(eta, 1),
+        }

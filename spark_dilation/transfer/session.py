@@ -16,6 +16,7 @@ from __future__ import annotations
 import contextlib
 import logging
 import uuid
+from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -172,6 +173,36 @@ class ReceivedFileResult:
     received: Any  # transit.filetransfer.ReceivedFile
 
 
+async def accept_offer(
+    w: Any,
+    options: TransferOptions,
+    check: Callable[[pa.Schema], str | None] | None = None,
+) -> TransferSpec:
+    """The receiver's half of the session, on the reactor, once the key is confirmed.
+
+    Takes the dataset offer from ``w`` (whose peer named our protocol in its
+    versions), answers with our lane count and derives the transfer secret;
+    the caller closes ``w``. ``check`` may refuse the offered schema: the
+    reason it returns goes to the sender and is raised as a
+    :class:`TransferError`.
+    """
+    try:
+        kind, offer = decode_session_message(await w.get_message())
+        if kind == "error":
+            raise PeerRejectedError(offer)
+        if kind != "offer":
+            raise ProtocolError(f"expected the sender's dataset offer, got {kind}")
+    except ProtocolError as e:
+        w.send_message(error_message(str(e)))
+        raise
+    reason = check(offer.schema) if check is not None else None
+    if reason is not None:
+        w.send_message(error_message(reason))
+        raise TransferError(reason)
+    w.send_message(Accept(options.lanes).encode())
+    return _spec(offer, transfer_secret(w.derive_key), options.lanes, options)
+
+
 def receive_session(
     code: str,
     options: TransferOptions,
@@ -218,21 +249,13 @@ def receive_session(
                     )
                 await w.close()
                 return ReceivedFileResult(got)
-            kind, offer = decode_session_message(await w.get_message())
-            if kind == "error":
-                raise PeerRejectedError(offer)
-            if kind != "offer":
-                raise ProtocolError(f"expected the sender's dataset offer, got {kind}")
-            w.send_message(Accept(options.lanes).encode())
-            secret = transfer_secret(w.derive_key)
-        except BaseException as e:
-            if isinstance(e, ProtocolError):
-                w.send_message(error_message(str(e)))
+            spec = await accept_offer(w, options)
+        except BaseException:
             with contextlib.suppress(DilationError):
                 await w.close()
             raise
         await w.close()
-        return _spec(offer, secret, options.lanes, options)
+        return spec
 
     return _wait(
         crochet.run_in_reactor(lambda: defer.ensureDeferred(run()))(),
