@@ -98,6 +98,8 @@ class Reporter:
                 self.emit("progress", **p.to_dict())
         elif self.mode == "bar":
             self._draw(p)
+            if p.done:
+                self.close()  # the rate stays as it was when the data had arrived
 
     def _draw(self, p: Progress) -> None:
         from tqdm import tqdm
@@ -109,7 +111,7 @@ class Reporter:
                     total=p.total_rows if by_rows else p.total_bytes,
                     unit=" rows" if by_rows else "B",
                     unit_scale=True,
-                    unit_divisor=1000 if by_rows else 1024,
+                    unit_divisor=1000,  # MB = 10^6 bytes, as in the summaries
                     file=self.err,
                     dynamic_ncols=True,
                     mininterval=0.2,
@@ -118,10 +120,11 @@ class Reporter:
                 )
             bar = self._bar
             bar.n = p.rows if by_rows else p.bytes
-            postfix = [] if not by_rows else [_size(p.bytes)]
-            if p.rows and not by_rows:
-                postfix.append(f"{p.rows:,} rows")
-            postfix.append(f"{_size(p.bytes_per_s)}/s")
+            # tqdm shows the count and its rate; the postfix adds the other unit.
+            if by_rows:
+                postfix = [_size(p.bytes), f"{_size(p.bytes_per_s)}/s"]
+            else:
+                postfix = [f"{p.rows:,} rows"] if p.rows else []
             postfix.append(p.path)
             postfix.append(f"{p.reconnects} reconnect(s)")
             bar.set_postfix_str(", ".join(postfix), refresh=False)

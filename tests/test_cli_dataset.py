@@ -321,3 +321,61 @@ def test_receiver_refuses_csv_for_nested_columns_and_a_full_folder(
     assert "it exists and is not empty" in only_error_line(received), received.describe()
     assert "it exists and is not empty" in last_error_line(sent), sent.describe()
     assert [p.name for p in (tmp_path / "full").iterdir()] == ["keep.txt"]
+
+
+# --- what the progress output says, fed with snapshots -----------------------------------------
+
+
+def test_progress_lines_and_json_events() -> None:
+    import io
+
+    from spark_dilation.cli_progress import Reporter
+    from spark_dilation.transfer.report import Progress
+
+    def snapshots() -> list[Progress]:
+        base = {"side": "send", "seconds": 1.0, "total_rows": 100, "connections": 2}
+        return [
+            Progress(rows=0, bytes=0, path="unknown", **base),
+            Progress(rows=40, bytes=4000, path="direct", **base),
+            Progress(rows=60, bytes=6000, path="direct", reconnects=1, **base),
+            Progress(rows=100, bytes=9000, path="direct+relay", reconnects=1, done=True, **base),
+        ]
+
+    out, err = io.StringIO(), io.StringIO()
+    plain = Reporter("plain", out, err)
+    for p in snapshots():
+        plain.progress(p)
+    assert err.getvalue().splitlines() == [
+        "connected: direct (2 connection(s))",
+        "connection dropped and came back: 1 reconnect(s) so far",
+        "connected: direct+relay (2 connection(s))",
+    ]
+    assert out.getvalue() == ""
+
+    out, err = io.StringIO(), io.StringIO()
+    as_json = Reporter("json", out, err)
+    for p in snapshots():
+        as_json.progress(p)
+    events = json_lines(out.getvalue())
+    assert [e["event"] for e in events] == [
+        "progress", "connected", "reconnect", "connected", "progress",
+    ]  # fmt: skip
+    assert events[0]["eta_seconds"] is None
+    assert events[-1]["done"] and events[-1]["rows"] == 100 and events[-1]["eta_seconds"] == 0
+    assert err.getvalue() == ""
+
+    bar = Reporter("bar", out := io.StringIO(), err := io.StringIO())
+    for p in snapshots():
+        bar.progress(p)
+    drawn = err.getvalue()
+    assert "connection dropped and came back: 1 reconnect(s) so far" in drawn
+    final = drawn.split("\r")[-1]
+    assert "sending: 100%" in final and "100/100" in final, drawn
+    assert "direct+relay, 1 reconnect(s)" in final, drawn
+
+    quiet = Reporter("quiet", out := io.StringIO(), err := io.StringIO())
+    for p in snapshots():
+        quiet.progress(p)
+    assert out.getvalue() == err.getvalue() == ""
+    # ETA from the average rate so far: 40 of 100 rows in 1 s -> 1.5 s left.
+    assert snapshots()[1].eta_seconds == 1.5
