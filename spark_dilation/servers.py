@@ -347,6 +347,7 @@ def run_foreground(
     signal_error: str | None = None,
     allow_list: bool = True,
     ready_json: bool = False,
+    channel_db: str = ":memory:",
 ) -> int:
     """Run both servers on the global reactor until SIGINT/SIGTERM.
 
@@ -405,6 +406,7 @@ def run_foreground(
             motd=motd,
             signal_error=signal_error,
             allow_list=allow_list,
+            channel_db=channel_db,
         )
         d.addCallbacks(on_ready, on_failure)
 
@@ -444,6 +446,13 @@ def _build_parser() -> argparse.ArgumentParser:
         help="refuse to list allocated nameplates",
     )
     parser.add_argument(
+        "--channel-db",
+        default=":memory:",
+        metavar="PATH",
+        help="mailbox database file (default: in memory); a restarted server that "
+        "reuses it keeps its mailboxes",
+    )
+    parser.add_argument(
         "--ready-json",
         action="store_true",
         help="print one JSON line with the URLs and ports on stdout once listening",
@@ -465,6 +474,7 @@ def main(argv: Sequence[str] | None = None) -> int:
         signal_error=args.signal_error,
         allow_list=not args.disallow_list,
         ready_json=args.ready_json,
+        channel_db=args.channel_db,
     )
 
 

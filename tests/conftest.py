@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import os
 import sys
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 
 import pytest
 
@@ -39,3 +39,17 @@ def spark() -> Iterator:
                 os.environ.pop(key, None)
             else:
                 os.environ[key] = value
+
+
+@pytest.fixture
+def sides(monkeypatch: pytest.MonkeyPatch) -> Callable[..., None]:
+    """``sides(x, y, ...)``: the next Dilation managers get these sides, in order
+    (then random ones). The larger side is the Leader."""
+    import spark_dilation.dilation.l1 as l1
+
+    def set_sides(*values: str) -> None:
+        it: Iterator[str] = iter(values)
+        original = l1.make_side
+        monkeypatch.setattr(l1, "make_side", lambda: next(it, None) or original())
+
+    return set_sides

@@ -37,7 +37,6 @@ from twisted.internet import defer, protocol
 from twisted.internet.interfaces import IPushProducer
 from zope.interface import implementer
 
-import spark_dilation.dilation.l1 as l1
 from spark_dilation.dilation import dilate
 from spark_dilation.dilation import outbound as O
 from spark_dilation.dilation.outbound import RECORD_HEADER_SIZE
@@ -250,8 +249,12 @@ async def dilated_pair(
     relay: str,
     no_listen: bool = False,
     ping_interval: float | None = None,
+    **ours: Any,
 ) -> tuple[Peer, Peer]:
-    """Our wormhole A and a peer B (ours or the reference), both dilated."""
+    """Our wormhole A and a peer B (ours or the reference), both dilated.
+
+    ``ours``: more :func:`dilate` options for our side(s), e.g. ``reconnect_timeout``.
+    """
     a = Wormhole(APPID, mailbox_url, reactor(), dilation=True)
     a.allocate_code()
     code = await a.get_code()
@@ -262,6 +265,7 @@ async def dilated_pair(
         no_listen=no_listen,
         listen_addresses=listen,
         ping_interval=ping_interval,
+        **ours,
     )
     if peer_kind == "ours":
         b = Wormhole(APPID, mailbox_url, reactor(), dilation=True)
@@ -272,6 +276,7 @@ async def dilated_pair(
             no_listen=no_listen,
             listen_addresses=listen,
             ping_interval=ping_interval,
+            **ours,
         )
     else:
         b = ref.create(APPID, mailbox_url, reactor(), dilation=True)
@@ -308,18 +313,6 @@ async def wait_until(predicate: Callable[[], bool], step: float = 0.02) -> None:
     """Poll on the reactor; the test's reactor_test timeout bounds the wait."""
     while not predicate():
         await sleep(step)
-
-
-@pytest.fixture
-def sides(monkeypatch: pytest.MonkeyPatch) -> Callable[..., None]:
-    """``sides(x, y, ...)``: the next Dilation managers get these sides, in order."""
-
-    def set_sides(*values: str) -> None:
-        it: Iterator[str] = iter(values)
-        original = l1.make_side
-        monkeypatch.setattr(l1, "make_side", lambda: next(it, None) or original())
-
-    return set_sides
 
 
 # --- 1. durability: three aborted L2 connections during a bulk transfer ----------

@@ -10,7 +10,7 @@ from __future__ import annotations
 
 import logging
 import os
-from collections.abc import Callable, Iterator
+from collections.abc import Callable
 from typing import Any
 
 import pytest
@@ -33,22 +33,11 @@ from test_dilation_interop import (
 from twisted.internet import defer, endpoints, error, protocol
 
 from spark_dilation.dilation import connection as C
-from spark_dilation.dilation import framing, l1
+from spark_dilation.dilation import framing
 from spark_dilation.dilation.subchannels import DEFAULT_MAX_PENDING_BYTES
 
 SIDES = {"leader": LEADER_SIDE, "follower": FOLLOWER_SIDE}
 OTHER_SIDE = {"leader": FOLLOWER_SIDE, "follower": LEADER_SIDE}
-
-
-@pytest.fixture
-def sides(monkeypatch: pytest.MonkeyPatch) -> Callable[..., None]:
-    """``sides("f"*16, ...)``: the Dilation sides our next managers get, in order."""
-
-    def force(*values: str) -> None:
-        it: Iterator[str] = iter(values)
-        monkeypatch.setattr(l1, "make_side", lambda: next(it))
-
-    return force
 
 
 @pytest.fixture

@@ -17,7 +17,8 @@ from typing import Any
 
 from twisted.internet import defer
 
-from .manager import DilationManager, DilationStatus
+from .manager import DilationManager, DilationReconnectFailed, DilationStatus
+from .redial import DEFAULT_GIVE_UP_AFTER
 from .subchannel import SubchannelConnectorEndpoint, SubchannelListenerEndpoint
 
 
@@ -36,7 +37,16 @@ class DilatedWormhole:
         return SubchannelConnectorEndpoint(self._manager, subprotocol)
 
     def status(self) -> DilationStatus:
+        """A snapshot: role, generation, state, connection, retries while down."""
         return self._manager.status()
+
+    def failure(self) -> DilationReconnectFailed | None:
+        """The error reconnecting was given up with (``reconnect_timeout``), or None."""
+        return self._manager.failure()
+
+    @property
+    def reconnect_timeout(self) -> float:
+        return self._manager.reconnect_timeout
 
     def stop(self) -> defer.Deferred:
         return self._manager.stop()
@@ -51,9 +61,18 @@ def dilate(
     ping_interval: float | None = None,
     expected_subprotocols: list[str] | tuple[str, ...] = (),
     on_status: Callable[[DilationStatus], None] | None = None,
+    reconnect_timeout: float = DEFAULT_GIVE_UP_AFTER,
 ) -> DilatedWormhole:
-    """Start Dilation on a wormhole created with ``dilation=True`` (once per wormhole)."""
+    """Start Dilation on a wormhole created with ``dilation=True`` (once per wormhole).
+
+    The connection reconnects by itself; when no path works, it retries with
+    capped backoff (a Leader starts new generations, a Follower redials).
+    ``reconnect_timeout``: seconds without a connection (since it was lost, or
+    since the first attempt) before every subchannel and waiter fails with
+    :class:`~.manager.DilationReconnectFailed`.
+    """
     return wormhole.dilate(
+        reconnect_timeout=reconnect_timeout,
         relay_url=relay_url,
         no_listen=no_listen,
         listen_addresses=listen_addresses,

@@ -29,9 +29,12 @@ Flow control, both ways bounded:
   you accept.
 
 Errors are typed: :class:`DilationTimeout` (also a ``TimeoutError``),
-:class:`SubchannelClosed`, :class:`PeerGone` (no Dilation connection for
-``peer_timeout`` seconds), :class:`DilationClosed`; ``open()`` may also
-raise :class:`~spark_dilation.dilation.manager.DilationFailed`.
+:class:`SubchannelClosed`,
+:class:`~spark_dilation.dilation.manager.DilationReconnectFailed` (no
+Dilation connection for ``peer_timeout`` seconds despite retries; it says
+what was tried), :class:`PeerGone` (the same, for a wrapped connection whose
+own ``reconnect_timeout`` is longer), :class:`DilationClosed`; ``open()``
+may also raise :class:`~spark_dilation.dilation.manager.DilationFailed`.
 """
 
 from __future__ import annotations
@@ -228,7 +231,8 @@ class BlockingSubchannel:
 
         Raises :class:`DilationTimeout` if nothing arrives within ``timeout``
         (default: the owner's), :class:`SubchannelClosed` after our own
-        :meth:`close`, :class:`PeerGone` if the connection stayed down.
+        :meth:`close`, ``DilationReconnectFailed`` (or :class:`PeerGone`) if
+        the connection stayed down.
         """
         _not_in_reactor("receive()")
         deadline = _Deadline(self._owner.timeout if timeout is None else timeout)
@@ -349,9 +353,12 @@ class BlockingSubchannel:
             self._writable = writable
             self._cond.notify_all()
 
-    def _lost(self) -> None:
+    def _lost(self, error: BaseException | None = None) -> None:
         with self._cond:
-            self._eof = True
+            if error is None:
+                self._eof = True
+            elif self._error is None:
+                self._error = error
             self._cond.notify_all()
         self._owner._sync_reading(self)
         self._owner._forget(self)
@@ -380,7 +387,9 @@ class _Protocol(protocol.Protocol):
         self.channel._data(data)
 
     def connectionLost(self, reason: Any = None) -> None:
-        self.channel._lost()
+        error = getattr(reason, "value", None)
+        # A given-up Dilation connection is an error, not the peer's EOF.
+        self.channel._lost(error if isinstance(error, DilationError) else None)
 
     # IPushProducer: Dilation's write back-pressure.
     def pauseProducing(self) -> None:
@@ -412,8 +421,10 @@ class BlockingDilation:
     (subchannels the peer opens for other names are refused unless
     :meth:`accept` registered them first). ``timeout``: the default wait of
     every blocking call. ``peer_timeout``: how long the Dilation connection
-    may stay down (it reconnects by itself) before waits fail with
-    :class:`PeerGone`. ``send_buffer``/``receive_buffer``: the per-subchannel
+    may stay down (it reconnects and retries by itself) before waits fail:
+    :meth:`create` makes it the Dilation ``reconnect_timeout`` (the error is
+    then ``DilationReconnectFailed``); a wrapped connection with a longer one
+    fails with :class:`PeerGone` instead. ``send_buffer``/``receive_buffer``: the per-subchannel
     bounds described in the module docstring.
     """
 
@@ -490,6 +501,8 @@ class BlockingDilation:
                 no_listen=no_listen,
                 listen_addresses=listen_addresses,
                 expected_subprotocols=names,  # OPENs that race our listen() are held
+                # One deadline for "down too long": the manager's error says what it tried.
+                reconnect_timeout=options.get("peer_timeout", DEFAULT_PEER_TIMEOUT),
             )
             return w, dw
 
@@ -654,6 +667,11 @@ class BlockingDilation:
 
     def _check_connection(self) -> None:
         """Fail everything if the Dilation connection stays down past ``peer_timeout``."""
+        failure = self._dw.failure()
+        if failure is not None:
+            if self._error is None:
+                self._fail_all(failure)
+            return
         status = self._dw.status()
         if status.state == "STOPPED":
             if not self._closed:
@@ -669,7 +687,12 @@ class BlockingDilation:
         now = time.monotonic()
         if self._down_since is None:
             self._down_since = now
-        elif now - self._down_since > self.peer_timeout and self._error is None:
+        elif (
+            now - self._down_since > self.peer_timeout
+            and self._error is None
+            # A manager with the same or a shorter deadline gives the better error.
+            and self.peer_timeout < self._dw.reconnect_timeout
+        ):
             self._fail_all(
                 PeerGone(
                     f"the other side has been unreachable for {self.peer_timeout:g} seconds "

@@ -124,6 +124,8 @@ class GenerationConnector:
         no_listen: bool = False,
         listen_addresses: list[str] | None = None,
         prefer_direct_window: float = PREFER_DIRECT_WINDOW,
+        on_attempts: Callable[[bool], None] | None = None,
+        on_attempt_failed: Callable[[str, str], None] | None = None,
     ) -> None:
         self._reactor = reactor
         self._key = dilation_key
@@ -142,6 +144,13 @@ class GenerationConnector:
         self._window_timer: Any = None
         self.winner: L2Protocol | None = None
         self.stopped = False
+        # Redial bookkeeping: the peer's hints (to dial again) and how many of
+        # our attempts are scheduled, dialing or in their handshake.
+        self._peer_direct: list[H.DirectTCPV1Hint] = []
+        self._peer_relays: list[H.DirectTCPV1Hint] = []
+        self._inflight = 0
+        self._on_attempts = on_attempts or (lambda busy: None)
+        self._on_attempt_failed = on_attempt_failed or (lambda desc, why: None)
 
     @defer.inlineCallbacks
     def start(self) -> Any:
@@ -156,29 +165,62 @@ class GenerationConnector:
             self._send_hints([H.encode_hint(H.DirectTCPV1Hint(a, port, 0.0)) for a in addresses])
         if self._relays:
             self._send_hints([H.encode_hint(H.RelayV1Hint(tuple(self._relays)))])
-            for hint in self._relays:
-                self._later(RELAY_DELAY, self._dial, hint, True)
+            self._dial_relays(self._relays)
 
     def add_hints(self, hint_dicts: Any) -> None:
         if self.stopped or self.winner is not None:
             return
         parsed = H.parse_hints(list(hint_dicts))
         direct = [h for h in parsed if isinstance(h, H.DirectTCPV1Hint)]
+        relays = [
+            hint
+            for relay in parsed
+            if isinstance(relay, H.RelayV1Hint)
+            for hint in relay.hints
+            if isinstance(hint, H.DirectTCPV1Hint)
+        ]
+        self._peer_direct += direct
+        self._peer_relays += relays
         for hint in direct:
             self._dial(hint, False)
-        for relay in (h for h in parsed if isinstance(h, H.RelayV1Hint)):
-            for hint in relay.hints:
-                if isinstance(hint, H.DirectTCPV1Hint):
-                    # Give direct paths a head start when the peer offered any.
-                    self._later(
-                        RELAY_DELAY if direct or self._port else 0.0, self._dial, hint, True
-                    )
+        self._dial_relays(relays)
         for hint in parsed:
             if isinstance(hint, H.TorTCPV1Hint):
                 log.info("skipping %s: Tor support is not installed", H.describe(hint))
+        self._check_idle()
 
-    def _later(self, delay: float, fn: Callable[..., Any], *args: Any) -> None:
-        self._pending.append(self._reactor.callLater(delay, fn, *args))
+    def redial(self) -> None:
+        """Dial every known hint again (the Follower's retry within a generation)."""
+        if self.stopped or self.winner is not None:
+            return
+        self._dialed.clear()
+        for hint in self._peer_direct:
+            self._dial(hint, False)
+        self._dial_relays([*self._relays, *self._peer_relays])
+        self._check_idle()
+
+    @property
+    def direct_possible(self) -> bool:
+        """A direct path may still appear: we listen, or the peer offered direct hints."""
+        return self._port is not None or bool(self._peer_direct)
+
+    def _dial_relays(self, hints: list[H.DirectTCPV1Hint]) -> None:
+        # Give direct paths a head start when there are any.
+        delay = RELAY_DELAY if self.direct_possible else 0.0
+        for hint in hints:
+            if delay:
+                self._later_dial(delay, hint)
+            else:
+                self._dial(hint, True)
+
+    def _later_dial(self, delay: float, hint: H.DirectTCPV1Hint) -> None:
+        def fire() -> None:
+            self._attempt_done()
+            self._dial(hint, True)
+            self._check_idle()
+
+        self._attempt_started()
+        self._pending.append(self._reactor.callLater(delay, fire))
 
     def _dial(self, hint: H.DirectTCPV1Hint, relay: bool) -> None:
         key = (hint.hostname, hint.port, relay)
@@ -187,8 +229,18 @@ class GenerationConnector:
         self._dialed.add(key)
         desc = ("relay " if relay else "direct ") + H.describe(hint)
         ep = endpoints.HostnameEndpoint(self._reactor, hint.hostname, hint.port, timeout=10)
+        self._attempt_started()
         d = ep.connect(_Factory(self, relay, desc))
-        d.addErrback(lambda f: log.info("dilation %s failed: %s", desc, f.getErrorMessage()))
+
+        def failed(f: Failure) -> None:
+            if f.check(defer.CancelledError):
+                return  # we stopped it
+            log.info("dilation %s failed: %s", desc, f.getErrorMessage())
+            self._on_attempt_failed(desc, f.getErrorMessage())
+
+        d.addErrback(failed)
+        # The protocol (if any) was built before this fires: it counts on its own.
+        d.addBoth(lambda _: (self._attempt_done(), self._check_idle()))
         self._pending.append(d)
 
     def _build(self, relay: bool, desc: str) -> L2Protocol:
@@ -198,7 +250,23 @@ class GenerationConnector:
         p = L2Protocol(self, conn, desc)
         p.is_relay = relay
         self._protocols.add(p)
+        self._attempt_started()
         return p
+
+    # --- how many attempts are alive (for the redial policy) ---
+
+    def _attempt_started(self) -> None:
+        self._inflight += 1
+        if self._inflight == 1 and not self.stopped and self.winner is None:
+            self._on_attempts(True)
+
+    def _attempt_done(self) -> None:
+        self._inflight -= 1
+
+    def _check_idle(self) -> None:
+        """Tell the manager when nothing of this generation is alive any more."""
+        if self._inflight == 0 and not self.stopped and self.winner is None:
+            self._on_attempts(False)
 
     # --- selection ---
 
@@ -210,7 +278,10 @@ class GenerationConnector:
             self._select(p)  # the Leader's KCM arrived here: it chose this one
             return
         kind = "relay" if p.is_relay else "direct"
-        self._apply_selection(self._selection.candidate(p, kind, self._reactor.seconds()))
+        now = self._reactor.seconds()
+        # Waiting for a direct path only makes sense if one can exist.
+        actions = self._selection.candidate(p, kind, now, direct_possible=self.direct_possible)
+        self._apply_selection(actions)
 
     def _apply_selection(self, actions: list[Select | Drop]) -> None:
         for action in actions:
@@ -245,9 +316,14 @@ class GenerationConnector:
         self._on_selected(p)
 
     def _lost(self, p: L2Protocol) -> None:
-        self._protocols.discard(p)
+        if p in self._protocols:
+            self._protocols.discard(p)
+            self._attempt_done()
+            if not p.selected and not self.stopped and self.winner is None:
+                self._on_attempt_failed(p.description, "connection closed before it was selected")
         if self.leader and self.winner is None:
             self._apply_selection(self._selection.connection_failed(p))
+        self._check_idle()
 
     def _stop_others(self) -> None:
         if self._window_timer is not None and self._window_timer.active():

@@ -15,6 +15,12 @@ actions for the manager. States and transitions follow magic-wormhole 0.24
 * Follower loses L2: wait for ``reconnect`` (``LONELY``); a ``reconnect``
   while still connected abandons the connection first (``ABANDONING``); in
   every case answer ``reconnecting`` and connect the next generation.
+
+Beyond the reference (the redial fix, :mod:`.redial`): ``retry()`` lets a
+Leader whose generation found no path start the next one (``CONNECTING``
+-> ``FLUSHING`` with a ``reconnect``; the reference Follower handles a
+``reconnect`` while ``CONNECTING`` by dialing again), and ``give_up()`` ends
+everything in ``FAILED``, where every input is ignored.
 """
 
 from __future__ import annotations
@@ -127,6 +133,25 @@ class L1Machine:
             self.state = "STOPPED"
             return [Stopped()]
         return []
+
+    def retry(self) -> list[Action]:
+        """Our generation found no path: as Leader, start the next one.
+
+        A Follower cannot start a generation; it redials within this one
+        (the manager does that), so this returns nothing for it.
+        """
+        if self.state == "CONNECTING" and self.role is l1.Role.LEADER:
+            self.state = "FLUSHING"
+            return [StopConnecting(), SendL1(l1.reconnect())]
+        return []
+
+    def give_up(self) -> list[Action]:
+        """No connection for too long: stop connecting for good."""
+        if self.state in ("STOPPED", "STOPPING", "FAILED"):
+            return []
+        was_connecting = self.state == "CONNECTING"
+        self.state = "FAILED"
+        return [StopConnecting()] if was_connecting else []
 
     def stop(self) -> list[Action]:
         if self.state in ("STOPPED", "STOPPING"):

@@ -26,6 +26,7 @@ from . import keepalive as K
 from . import l1
 from . import l1machine as M
 from . import outbound as O
+from . import redial as R
 from . import subchannels as S
 from .connector import GenerationConnector, L2Protocol
 from .inbound import Inbound
@@ -39,6 +40,14 @@ class DilationFailed(DilationError):
     """Dilation cannot happen (the peer cannot dilate, or it was stopped)."""
 
 
+class DilationReconnectFailed(DilationFailed):
+    """No Dilation connection for ``reconnect_timeout`` seconds: given up.
+
+    Every open subchannel and waiter fails with it; the message says what was
+    tried and what to check.
+    """
+
+
 @dataclass
 class DilationStatus:
     """A snapshot for UIs: ``on_status(status)`` gets one at every change."""
@@ -49,6 +58,12 @@ class DilationStatus:
     connection: str | None = None  # e.g. "direct tcp:10.0.0.2:41234" or "relay ..."
     subchannels: tuple[str, ...] = ()
     hints_sent: list[dict[str, Any]] = field(default_factory=list)
+    # While down: since when (reactor time), our retries so far, the last
+    # attempt's failure. ``error``: why we gave up (state ``FAILED``).
+    down_since: float | None = None
+    retries: int = 0
+    last_error: str | None = None
+    error: str | None = None
 
 
 @implementer(IPushProducer)
@@ -66,6 +81,8 @@ class DilationManager:
         on_status: Callable[[DilationStatus], None] | None = None,
         high_water: int = O.DEFAULT_HIGH_WATER,
         low_water: int = O.DEFAULT_LOW_WATER,
+        reconnect_timeout: float = R.DEFAULT_GIVE_UP_AFTER,
+        redial: R.RedialPolicy | None = None,
     ) -> None:
         self._w = wormhole
         self._reactor = reactor
@@ -93,6 +110,13 @@ class DilationManager:
         self._transport_paused = False
         self._reading_paused = False
         self._stopped: defer.Deferred | None = None
+        # Redial (see .redial): the policy, its timer, and what was tried since
+        # the connection went down (description -> [attempts, last error]).
+        self._redial = redial or R.RedialPolicy(give_up_after=reconnect_timeout)
+        self._redial_timer: Any = None
+        self._tried: dict[str, list[Any]] = {}
+        self._down_generation = 0
+        self._failure: DilationReconnectFailed | None = None
         # The highest seqnum received in the current chunk, ACKed when the
         # chunk is done (_flush_ack); -1: none due.
         self._ack_due = -1
@@ -133,6 +157,7 @@ class DilationManager:
                     if self._connector is not None:
                         self._connector.stop()
                         self._connector = None
+                    self._redial_event(self._redial.waiting_for_peer)
                 case M.AbandonConnection():
                     if self._l2 is not None:
                         self._l2.abort()
@@ -165,7 +190,20 @@ class DilationManager:
             self._status.hints_sent = [*self._status.hints_sent, *hints]
             self._w.send_dilate(l1.connection_hints(hints))
 
-        self._connector = GenerationConnector(
+        def on_attempts(busy: bool) -> None:
+            if self._connector is connector:
+                self._redial_event(
+                    self._redial.attempting if busy else self._redial.attempts_failed
+                )
+
+        def on_attempt_failed(description: str, why: str) -> None:
+            if self._connector is connector:
+                tried = self._tried.setdefault(description, [0, why])
+                tried[0] += 1
+                tried[1] = why
+                self._status.last_error = f"{description}: {why}"
+
+        connector = self._connector = GenerationConnector(
             self._reactor,
             dilation_key=self._dilation_key,
             side=self._l1.side,
@@ -175,8 +213,13 @@ class DilationManager:
             relays=self._relays,
             no_listen=self._no_listen,
             listen_addresses=self._listen_addresses,
+            on_attempts=on_attempts,
+            on_attempt_failed=on_attempt_failed,
         )
-        self._connector.start().addErrback(lambda f: log.error("dilation connector: %s", f.value))
+        if self._redial.state == "UP":  # the first generation: the clock starts now
+            self._went_down()
+        self._redial_event(self._redial.attempting)
+        connector.start().addErrback(lambda f: log.error("dilation connector: %s", f.value))
 
     # --- the selected L2 connection ---
 
@@ -193,6 +236,11 @@ class DilationManager:
         self._keepalive = K.Keepalive(self._interval, leader=p.conn.leader)
         self._apply_keepalive(self._keepalive.connection_made(now))
         self._status.connection = p.description
+        self._redial_event(self._redial.connected)
+        self._tried.clear()
+        self._status.down_since = None
+        self._status.retries = 0
+        self._status.last_error = None
         self._apply(self._l1.connection_made())
         for d in self._dilated_waiters:
             d.callback(None)
@@ -213,7 +261,86 @@ class DilationManager:
         self._outbound.connection_lost()
         self._transport_paused = False
         self._update_writers()
+        self._went_down()
         self._apply(self._l1.connection_lost())
+
+    # --- redial (see .redial) ---
+
+    def _went_down(self) -> None:
+        self._down_generation = self._l1.generation
+        self._redial_event(self._redial.disconnected)
+        self._status.down_since = self._redial.down_since
+        self._status.retries = 0
+
+    def _redial_event(self, event: Callable[[float], list[R.RedialAction]]) -> None:
+        if self._failure is not None:
+            return
+        for action in event(self._reactor.seconds()):
+            match action:
+                case R.Retry(attempt):
+                    self._status.retries = attempt
+                    self._retry(attempt)
+                case R.GiveUp():
+                    self._give_up()
+                    return
+        self._arm_redial_timer()
+
+    def _retry(self, attempt: int) -> None:
+        if self._l1.role is l1.Role.LEADER:
+            log.info("dilation: no path yet; starting a new generation (retry %d)", attempt)
+            self._apply(self._l1.retry())
+        elif self._connector is not None:
+            log.info("dilation: no path yet; dialing the peer's hints again (retry %d)", attempt)
+            self._connector.redial()
+        else:
+            self._redial_event(self._redial.waiting_for_peer)
+        self._publish_status()
+
+    def _arm_redial_timer(self) -> None:
+        if self._redial_timer is not None and self._redial_timer.active():
+            self._redial_timer.cancel()
+        self._redial_timer = None
+        deadline = self._redial.next_deadline()
+        if deadline is not None and self._failure is None and self._stopped is None:
+            delay = max(0.0, deadline - self._reactor.seconds())
+            self._redial_timer = self._reactor.callLater(delay, self._redial_fired)
+
+    def _redial_fired(self) -> None:
+        self._redial_timer = None
+        self._redial_event(self._redial.timer_fired)
+
+    def _give_up(self) -> None:
+        relays = [f"tcp:{h.hostname}:{h.port}" for h in self._relays]
+        error = DilationReconnectFailed(
+            R.give_up_message(
+                give_up_after=self._redial.give_up_after,
+                down_for=self._reactor.seconds() - (self._redial.down_since or 0.0),
+                retries=self._redial.retries,
+                generations=max(0, self._l1.generation - self._down_generation),
+                tried={desc: (n, why) for desc, (n, why) in self._tried.items()},
+                relays=relays,
+                mailbox_connected=bool(getattr(self._w, "mailbox_connected", True)),
+                first_connection=not self._dilated.called,
+            )
+        )
+        log.warning("dilation: %s", error)
+        self._failure = error
+        self._status.error = str(error)
+        self._apply(self._l1.give_up())
+        self._cancel_ka_timer()
+        self._fail_waiters(error)
+        channels, self._channels = list(self._channels.values()), {}
+        for channel in channels:
+            channel._connection_lost(error=error)
+        self._publish_status()
+
+    @property
+    def reconnect_timeout(self) -> float:
+        return self._redial.give_up_after
+
+    def failure(self) -> DilationReconnectFailed | None:
+        """The give-up error once reconnecting was given up, else None."""
+        return self._failure
 
     def _traffic(self, p: L2Protocol) -> None:
         if p is self._l2 and self._keepalive is not None:
@@ -365,6 +492,8 @@ class DilationManager:
         self._apply_l5(self._table.register_listener(subprotocol, half_closeable=bool(half)))
 
     def open_subchannel(self, subprotocol: str, factory: Any) -> Any:
+        if self._failure is not None:
+            raise self._failure
         half = IHalfCloseableProtocol.implementedBy(getattr(factory, "protocol", object))
         message = self._table.open(subprotocol, half_closeable=bool(half))
         channel = SubChannel(self, message.scid, subprotocol)
@@ -377,6 +506,8 @@ class DilationManager:
         return protocol
 
     def subchannel_write(self, scid: int, data: bytes) -> None:
+        if self._failure is not None:
+            raise self._failure
         self._queue(self._table.write(scid, data))
 
     def subchannel_lose(self, scid: int) -> None:
@@ -459,6 +590,8 @@ class DilationManager:
                 self._connector.stop()
                 self._connector = None
             self._cancel_ka_timer()
+            if self._redial_timer is not None and self._redial_timer.active():
+                self._redial_timer.cancel()
             self._fail_waiters(DilationFailed("dilation was stopped"))
         d: defer.Deferred = defer.Deferred()
         self._stopped.addBoth(lambda r: (d.callback(None), r)[1])

@@ -12,8 +12,9 @@ when the Follower's KCM arrives on it.
 
 * a direct candidate is selected at once;
 * a relay candidate waits up to ``prefer_direct_window`` seconds for a direct
-  one. Each relay candidate waits at most the window from its own arrival;
-  when the earliest live one has waited that long it is selected;
+  one, if a direct path can exist at all (else it is selected at once). Each
+  relay candidate waits at most the window from its own arrival; when the
+  earliest live one has waited that long it is selected;
 * exactly one :class:`Select` per generation; every other candidate, and
   every candidate that arrives later, gets a :class:`Drop`;
 * a candidate that fails before selection is forgotten (a failure of the
@@ -91,9 +92,13 @@ class Selection:
         return self._done
 
     def candidate(
-        self, conn_id: Hashable, kind: ConnectionKind, now: float
+        self, conn_id: Hashable, kind: ConnectionKind, now: float, *, direct_possible: bool = True
     ) -> list[SelectionAction]:
-        """The Follower's KCM arrived on ``conn_id``."""
+        """The Follower's KCM arrived on ``conn_id``.
+
+        ``direct_possible=False`` (we do not listen and the peer offered no
+        direct hint) selects a relay candidate at once: no direct one can come.
+        """
         if kind not in ("direct", "relay"):
             raise SelectionError(f"connection kind must be 'direct' or 'relay', not {kind!r}")
         if conn_id in self._seen:
@@ -104,7 +109,7 @@ class Selection:
         if kind == "direct":
             return self._select(conn_id)
         self._relays[conn_id] = now
-        if self.prefer_direct_window == 0:
+        if self.prefer_direct_window == 0 or not direct_possible:
             return self._select(conn_id)
         return []
 

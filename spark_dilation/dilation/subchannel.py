@@ -104,8 +104,10 @@ class SubChannel:
         self.loseConnection()
 
     # from the manager
-    def _connection_lost(self, half: str | None = None) -> None:
-        if half == "read":
+    def _connection_lost(self, half: str | None = None, error: Exception | None = None) -> None:
+        if error is not None:  # the whole Dilation connection was given up
+            self.protocol.connectionLost(Failure(error))
+        elif half == "read":
             IHalfCloseableProtocol(self.protocol).readConnectionLost()
         elif half == "write":
             IHalfCloseableProtocol(self.protocol).writeConnectionLost()

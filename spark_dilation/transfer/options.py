@@ -39,7 +39,8 @@ class TransferOptions:
     * ``lane_start_timeout``: seconds a sender waits for a lane to show up
       (lanes start when the reader runs an action).
     * ``reconnect_timeout``: seconds a Dilation connection may stay broken
-      before the partitions on it fail.
+      (it retries meanwhile) before the partitions on it fail with the
+      Dilation give-up error (``DilationReconnectFailed``).
     * ``idle_timeout``: seconds a lane waits without any sender activity.
     * ``compression``: Arrow IPC body compression, ``none``, ``lz4`` or ``zstd``.
     """

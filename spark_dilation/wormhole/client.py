@@ -273,6 +273,11 @@ class Wormhole:
         while self._dilate_records._items:
             handler(self._dilate_records._items.popleft())
 
+    @property
+    def mailbox_connected(self) -> bool:
+        """True while the WebSocket to the mailbox server is open."""
+        return self._ws is not None
+
     def dilate(self, **options: Any) -> Any:
         """Start Dilation (see :func:`spark_dilation.dilation.dilate`); once per wormhole."""
         if not self._dilation_enabled:
