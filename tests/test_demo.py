@@ -49,3 +49,21 @@ def test_demo_moves_a_dataset_between_two_spark_applications():
     assert re.search(r"demo: OK \(\d+ s\)", out), out
     # Spark's chatter went to the log files, not the terminal.
     assert "WARN" not in result.stderr and "Traceback" not in result.stderr, result.stderr[-3000:]
+
+
+def test_the_row_digest_sees_every_difference_but_not_the_order(spark):
+    from spark_dilation.testing.spark_peer import digest, generate
+
+    df = generate(spark, 2_000, 4, "rich")
+    same = digest(df)
+    assert same == digest(df.orderBy("id", ascending=False).repartition(3))
+    assert same[0] == "2000"
+    # One value changed, one row missing, a NULL moved between columns of one type.
+    assert digest(df.selectExpr("*", "id = 7 AS seven").selectExpr(
+        "id", "CASE WHEN seven THEN i + 1 ELSE i END AS i",
+        *[c for c in df.columns if c not in ("id", "i")],
+    )) != same  # fmt: skip
+    assert digest(df.where("id != 7")) != same
+    pair = spark.createDataFrame([(None, 1), (2, 3)], "a INT, b INT")
+    swapped = spark.createDataFrame([(1, None), (2, 3)], "a INT, b INT")
+    assert digest(pair) != digest(swapped)
