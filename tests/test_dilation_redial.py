@@ -265,3 +265,53 @@ async def test_mailbox_restart_with_l2_cut_heals(tmp_path, relay, sides, peer_ki
             await close_all(a, b)
     finally:
         await threads.deferToThread(mailbox.kill)
+
+
+@reactor_test(timeout=120)
+async def test_mailbox_and_relay_gone_gives_the_typed_error_naming_the_mailbox(
+    tmp_path, relay, sides
+):
+    """A mailbox outage longer than the give-up deadline, with the L2 path
+    cut too, ends in the same clear error on both sides, never a hang."""
+    sides(LEADER_SIDE, FOLLOWER_SIDE)
+    mailbox = Restartable(extra_args=("--channel-db", str(tmp_path / "mailbox.sqlite")))
+    await threads.deferToThread(mailbox.start)
+    try:
+        url = f"ws://127.0.0.1:{mailbox.mailbox_port}/v1"
+        a, b = await relay_only_pair(url, relay, "ours", reconnect_timeout=5.0)
+        try:
+            await threads.deferToThread(mailbox.kill)
+            await relay.restart_after(0.0)  # L2 cut; the relay itself is back at once
+            await wait_until(lambda: a.dw.failure() is not None and b.dw.failure() is not None)
+            for peer in (a, b):
+                text = str(peer.dw.failure())
+                assert "within 5 s (reconnect_timeout)" in text, text
+                assert "The mailbox server is unreachable right now" in text, text
+                assert "its process may have ended" not in text, text
+        finally:
+            await threads.deferToThread(mailbox.start)  # so that the wormholes can close
+            await close_all(a, b)
+    finally:
+        await threads.deferToThread(mailbox.kill)
+
+
+@reactor_test(timeout=120)
+async def test_first_connection_waits_for_a_relay_that_starts_late(wormhole_servers, relay, sides):
+    """Generation 0 finds no path at first (the relay is down): retried, not stranded."""
+    sides(LEADER_SIDE, FOLLOWER_SIDE)
+    await threads.deferToThread(relay.kill)
+    back: list[defer.Deferred] = []
+    reactor_call = defer.ensureDeferred(sleep(3.0))
+    reactor_call.addCallback(lambda _: back.append(threads.deferToThread(relay.start)))
+    a, b = await relay_only_pair(wormhole_servers.mailbox_url, relay, "ours")
+    try:
+        assert back, "dilated before the relay was back: the test proves nothing"
+        await back[0]
+        plan = Plan(4 * MiB)
+        snd, rcv = Sender(plan), Receiver(plan)
+        await start_transfer(a, b, snd, rcv)
+        await defer.gatherResults([snd.finished, rcv.done], consumeErrors=True)
+        assert_intact(snd, rcv)
+        assert a.generation >= 1  # the Leader started new generations meanwhile
+    finally:
+        await close_all(a, b)

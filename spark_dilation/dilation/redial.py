@@ -196,7 +196,7 @@ def give_up_message(
         attempts = sum(n for n, _ in tried.values())
         listed = "; ".join(f"{desc} x{n} (last: {why})" for desc, (n, why) in sorted(tried.items()))
         parts.append(f"{attempts} failed connection attempts: {listed}")
-    elif retries == 0:
+    elif retries == 0 and mailbox_connected:
         parts.append(
             "the other side never started a new connection through the mailbox "
             "(its process may have ended)"
