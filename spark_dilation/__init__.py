@@ -1,3 +1,20 @@
-"""spark-dilation: move Spark datasets peer to peer over Magic Wormhole Dilation."""
+"""spark-dilation: move Spark datasets peer to peer over Magic Wormhole Dilation.
+
+``spark_dilation.register(spark)`` registers the ``dilation`` data source on a
+classic or Spark Connect session (see :mod:`spark_dilation.spark.register`).
+Importing this package loads nothing heavy; Spark is loaded on first use.
+"""
+
+from typing import Any
 
 __version__ = "0.1.0"
+
+__all__ = ["__version__", "register"]
+
+
+def __getattr__(name: str) -> Any:
+    if name == "register":
+        from .spark.register import register
+
+        return register
+    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")

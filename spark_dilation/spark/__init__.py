@@ -4,6 +4,9 @@ Public API:
 
 - :class:`DilationDataSource` -- the PySpark data source named ``"dilation"``;
   Spark auto-registers it through the top-level ``pyspark_dilation`` module.
+- :func:`register` -- ``register(spark)``: the explicit registration for
+  sessions that cannot rely on that (Spark Connect, ``%pip install`` into a
+  running notebook).
 - :func:`read_wormhole_file` -- ``read_wormhole_file(spark, code, **options)``,
   the ``format("dilation")`` call for a file sent with ``wormhole send``.
 - :func:`receive_file` -- receive the file to local disk (blocking) and use
@@ -22,6 +25,7 @@ from typing import Any
 from .datasource import DilationDataSource, NotSupportedYetError, read_wormhole_file
 from .options import OptionError
 from .receive import receive_file
+from .register import SparkVersionError, register
 from .staged import SUPPORTED_FORMATS, StagedDataError, UnsupportedFormatError
 
 __all__ = [
@@ -30,10 +34,12 @@ __all__ = [
     "NotSupportedYetError",
     "OptionError",
     "ReceivedFile",
+    "SparkVersionError",
     "StagedDataError",
     "UnsupportedFormatError",
     "read_wormhole_file",
     "receive_file",
+    "register",
 ]
 
 

@@ -47,10 +47,28 @@ BENCH_COLUMNS = (
 )
 
 
-def session(master: str, name: str, extra: dict[str, str] | None = None) -> Any:
-    os.environ.setdefault("PYSPARK_PYTHON", sys.executable)
+def session(
+    master: str, name: str, extra: dict[str, str] | None = None, remote: str | None = None
+) -> Any:
+    """A classic session on ``master``, or a Spark Connect one with ``remote``.
+
+    ``remote="local[2]"`` starts a local Spark Connect server (a child JVM)
+    and returns a thin client: no ``SparkContext``; the data source is
+    registered with the explicit :func:`spark_dilation.register` line.
+    """
+    os.environ.setdefault("PYSPARK_PYTHON", sys.executable)  # the Connect server inherits it
     os.environ.setdefault("SPARK_LOCAL_IP", "127.0.0.1")
     from pyspark.sql import SparkSession
+
+    if remote is not None:
+        builder = SparkSession.builder.remote(remote).appName(name)
+        for key, value in {"spark.sql.session.timeZone": "UTC", **(extra or {})}.items():
+            builder = builder.config(key, value)
+        spark = builder.getOrCreate()
+        import spark_dilation
+
+        spark_dilation.register(spark)
+        return spark
 
     builder = (
         SparkSession.builder.master(master)
@@ -100,6 +118,12 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--mailbox", required=True)
     p.add_argument("--relay")
     p.add_argument("--master", default="local[2]")
+    p.add_argument("--remote", help="a Spark Connect session instead, e.g. local[2] or sc://host")
+    p.add_argument(
+        "--probe-option",
+        metavar="KEY=VALUE",
+        help="first run a load with this (bad) option and report its error as probe_error",
+    )
     p.add_argument("--rows", type=int, default=1000)
     p.add_argument("--partitions", type=int, default=4)
     p.add_argument("--shape", choices=["rich", "bench"], default="rich")
@@ -116,9 +140,16 @@ def main(argv: list[str] | None = None) -> int:
     if args.relay:
         options["relay"] = args.relay
     conf = dict(c.split("=", 1) for c in args.conf)
-    spark = session(args.master, f"spark-dilation-{args.side}", conf)
+    spark = session(args.master, f"spark-dilation-{args.side}", conf, remote=args.remote)
     started = time.monotonic()
-    result: dict[str, Any] = {"side": args.side}
+    result: dict[str, Any] = {"side": args.side, "session": type(spark).__module__}
+    if args.probe_option:
+        key, value = args.probe_option.split("=", 1)
+        try:
+            spark.read.format("dilation").options(**{**options, key: value}).load().count()
+            result["probe_error"] = None
+        except Exception as e:
+            result["probe_error"] = f"{type(e).__name__}: {e}"[:2000]
     try:
         if args.side == "send":
             df = generate(spark, args.rows, args.partitions, args.shape)

@@ -1,0 +1,64 @@
+"""``register(spark)``: the one explicit line that makes ``format("dilation")`` work.
+
+Spark finds the data source by itself through the ``pyspark_dilation`` module
+(see that shim) when spark-dilation is installed before the session starts.
+Where it is installed into a running notebook (``%pip install`` on Databricks,
+a Jupyter kernel whose session already exists) or the session is a Spark
+Connect client (``sc://...``, Databricks serverless and shared clusters),
+call :func:`register` once per session.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+from ..errors import DilationError
+
+MIN_PYSPARK = (4, 0)
+
+
+class SparkVersionError(DilationError, RuntimeError):
+    """This PySpark has no Python data source API."""
+
+
+def _version(text: str) -> tuple[int, ...]:
+    parts = []
+    for piece in text.split(".")[:2]:
+        digits = "".join(ch for ch in piece if ch.isdigit())
+        parts.append(int(digits or 0))
+    return tuple(parts)
+
+
+def check_pyspark(version: str | None = None) -> None:
+    """Raise :class:`SparkVersionError` unless PySpark has the Python data source API."""
+    if version is None:
+        import pyspark
+
+        version = pyspark.__version__
+    if _version(version) < MIN_PYSPARK:
+        raise SparkVersionError(
+            f"spark-dilation needs PySpark 4.0 or later (the Python data source API); "
+            f"this is PySpark {version}. Upgrade with: pip install 'pyspark>=4.0' "
+            "(on Databricks: a runtime with Spark 4, or serverless)"
+        )
+
+
+def register(spark: Any) -> str:
+    """Register the ``dilation`` data source on ``spark``; returns its name.
+
+    Works on a classic ``SparkSession`` and on a Spark Connect session (the
+    registration travels to the server). Idempotent: registering again
+    replaces the registration with the same class. Nothing here touches
+    ``SparkContext``.
+    """
+    check_pyspark()
+    from .datasource import DilationDataSource
+
+    data_sources = getattr(spark, "dataSource", None)
+    if data_sources is None:
+        raise SparkVersionError(
+            f"this Spark session ({type(spark).__module__}.{type(spark).__name__}) has no "
+            "dataSource registry: spark-dilation needs a PySpark 4 session"
+        )
+    data_sources.register(DilationDataSource)
+    return DilationDataSource.name()

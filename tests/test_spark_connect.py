@@ -1,0 +1,92 @@
+"""Spark Connect: ``format("dilation")`` from a thin client, both directions.
+
+One side is a Spark Connect session (``SparkSession.builder.remote("local[2]")``:
+a local Connect server JVM and a gRPC client with no ``SparkContext``), the
+other a classic session; each is its own ``spark_peer`` process. The Connect
+side registers the source with the explicit ``spark_dilation.register(spark)``
+line, as a notebook on Databricks serverless would.
+"""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+from typing import Any
+
+import pytest
+from test_spark_transfer import Side, read_parquet, staging
+
+from spark_dilation.spark.register import SparkVersionError, check_pyspark, register
+
+ROWS = "200000"
+
+
+def test_register_refuses_a_pyspark_without_python_data_sources() -> None:
+    with pytest.raises(SparkVersionError, match=r"needs PySpark 4\.0 or later .* PySpark 3\.5\.1"):
+        check_pyspark("3.5.1")
+    check_pyspark("4.0.0")
+    check_pyspark("4.3.0.dev1")
+
+
+def test_register_on_a_classic_session_is_idempotent(spark: Any) -> None:
+    assert register(spark) == "dilation"
+    assert register(spark) == "dilation"
+
+
+def test_register_refuses_a_session_without_a_data_source_registry() -> None:
+    class NotASession:
+        pass
+
+    with pytest.raises(SparkVersionError, match="no dataSource registry"):
+        register(NotASession())
+
+
+def _check(sent: dict[str, Any], got: dict[str, Any], tmp: Path) -> None:
+    assert "error" not in sent, sent
+    assert "error" not in got, got
+    assert json.loads(got["schema"]) == json.loads(sent["schema"])  # names, types, nullability
+    assert got["count"] == int(ROWS)  # count() after show() on the same DataFrame
+    expected, received = read_parquet(tmp / "expected"), read_parquet(tmp / "out")
+    assert received.num_rows == int(ROWS)
+    assert received.equals(expected)  # content, not counts
+
+
+def test_connect_writer_to_classic_reader(wormhole_servers: Any, tmp_path: Path) -> None:
+    code = "21-connect-to-classic"
+    receiver = Side(
+        "receive", code, wormhole_servers, tmp_path, "--out", str(tmp_path / "out"),
+        "--option", staging(tmp_path),
+    )  # fmt: skip
+    sender = Side(
+        "send", code, wormhole_servers, tmp_path, "--remote", "local[2]", "--rows", ROWS,
+        "--partitions", "4", "--expected", str(tmp_path / "expected"),
+    )  # fmt: skip
+    sent, got = sender.result(), receiver.result()
+    assert sent["session"] == "pyspark.sql.connect.session", sent
+    assert got["session"] == "pyspark.sql.session", got
+    _check(sent, got, tmp_path)
+    # commit() ran on the Connect server's driver and logged the report there
+    # (a local server shares the client's stderr; a remote one keeps it in its log).
+    report = sender.report()
+    assert report["rows"] == int(ROWS) and report["partitions"] == 4
+
+
+def test_classic_writer_to_connect_reader(wormhole_servers: Any, tmp_path: Path) -> None:
+    code = "22-classic-to-connect"
+    receiver = Side(
+        "receive", code, wormhole_servers, tmp_path, "--remote", "local[2]",
+        "--out", str(tmp_path / "out"), "--option", staging(tmp_path),
+        # Before the real load: an error raised on the server must reach the
+        # client with our message.
+        "--probe-option", "lanes=0",
+    )  # fmt: skip
+    sender = Side(
+        "send", code, wormhole_servers, tmp_path, "--rows", ROWS, "--partitions", "4",
+        "--expected", str(tmp_path / "expected"),
+    )  # fmt: skip
+    sent, got = sender.result(), receiver.result()
+    assert got["session"] == "pyspark.sql.connect.session", got
+    assert "option lanes=0 must be between 1 and 4096" in got["probe_error"], got
+    _check(sent, got, tmp_path)
+    report = sender.report()  # the classic writer's commit() logged its report
+    assert report["rows"] == int(ROWS) and report["partitions"] == 4
