@@ -2,6 +2,8 @@
 
 ``spark_dilation.register(spark)`` registers the ``dilation`` data source on a
 classic or Spark Connect session (see :mod:`spark_dilation.spark.register`).
+``spark_dilation.send(df_or_table)`` and ``spark_dilation.receive(spark_or_none,
+code)`` are the notebook API (see :mod:`spark_dilation.notebook`).
 Importing this package loads nothing heavy; Spark is loaded on first use.
 """
 
@@ -9,7 +11,7 @@ from typing import Any
 
 __version__ = "0.1.0"
 
-__all__ = ["__version__", "register"]
+__all__ = ["__version__", "receive", "register", "send"]
 
 
 def __getattr__(name: str) -> Any:
@@ -17,4 +19,8 @@ def __getattr__(name: str) -> Any:
         from .spark.register import register
 
         return register
+    if name in ("send", "receive"):
+        from . import notebook
+
+        return getattr(notebook, name)
     raise AttributeError(f"module {__name__!r} has no attribute {name!r}")

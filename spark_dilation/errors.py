@@ -138,3 +138,7 @@ class PeerRejectedError(TransferError):
     def __init__(self, peer_message: str) -> None:
         self.peer_message = peer_message
         super().__init__(f"the other side abandoned the transfer: {peer_message}")
+
+
+class TransferCancelledError(TransferError):
+    """The transfer was cancelled on this side (``handle.cancel()``)."""

@@ -35,7 +35,7 @@ import pyarrow.csv as pacsv
 import pyarrow.dataset as ds
 import pyarrow.parquet as pq
 
-from ..errors import TransferError
+from ..errors import TransferCancelledError, TransferError
 from .lane import LaneStaging, _rows_of, lane_receiver, read_staged
 from .options import TransferOptions
 from .protocol import CommittedPartition, Manifest
@@ -199,6 +199,28 @@ class DatasetSender:
             self._source.schema, self.options, code=code, code_length=code_length
         )
         self.code: str = self._session.code
+        self._cancelled = threading.Event()
+
+    def cancel(self) -> None:
+        """Stop this send: a receiver not yet met will not be met; a partition under
+        way stops at its next batch and the receiver is told. :meth:`wait` then
+        raises :class:`~spark_dilation.errors.TransferCancelledError`."""
+        self._cancelled.set()
+        self._session.cancel()
+
+    def _cancelled_error(self) -> TransferCancelledError:
+        return TransferCancelledError(f"the send with code {self.code} was cancelled")
+
+    def _unless_cancelled(
+        self, makers: list[Callable[[], Iterator[pa.RecordBatch]]]
+    ) -> list[Callable[[], Iterator[pa.RecordBatch]]]:
+        def checked(maker: Callable[[], Iterator[pa.RecordBatch]]) -> Iterator[pa.RecordBatch]:
+            for batch in maker():
+                if self._cancelled.is_set():
+                    raise self._cancelled_error()
+                yield batch
+
+        return [(lambda m=m: checked(m)) for m in makers]
 
     def wait(
         self,
@@ -212,9 +234,17 @@ class DatasetSender:
         while partitions move (from a helper thread), and a last one with
         ``done=True``.
         """
-        spec = self._session.wait()
+        try:
+            spec = self._session.wait()
+        except Exception as e:
+            if self._cancelled.is_set():
+                raise TransferCancelledError(
+                    f"the send with code {self.code} was cancelled before a receiver used it"
+                ) from e
+            raise
         started = time.monotonic()
         parts = _partitions(self._source, spec.lanes)
+        parts.makers = self._unless_cancelled(parts.makers)
         connections = ConnectionPool()
         meter = _SendMeter(spec.transfer_id, connections, _total_rows(self._source), started)
         ticker = _Ticker(meter.snapshot, on_progress, interval)
