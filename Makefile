@@ -5,7 +5,7 @@ VENV   ?= .venv
 PY      = $(VENV)/bin/python
 STAMP   = $(VENV)/.installed-$(shell cat pyproject.toml | cksum | cut -d' ' -f1)
 
-.PHONY: test demo lint format check-java venv clean
+.PHONY: test demo lint format check-java venv bytecode clean
 
 venv: $(STAMP)
 
@@ -17,14 +17,20 @@ $(STAMP): pyproject.toml
 	rm -f $(VENV)/.installed-*
 	touch $@
 
+# Bytecode for our sources, as a non-editable pip install leaves it: every Spark
+# Python worker imports them, and with PYTHONDONTWRITEBYTECODE set each one would
+# compile them again (about 0.3 CPU-s per process). Only changed files recompile.
+bytecode: venv
+	@$(PY) -m compileall -q spark_dilation pyspark_dilation.py
+
 check-java:
 	@sh conf/check-java.sh
 
-test: venv check-java
+test: venv bytecode check-java
 	$(PY) -m ruff check .
 	$(PY) -m pytest
 
-demo: venv check-java
+demo: venv bytecode check-java
 	$(VENV)/bin/spark-dilation demo
 
 lint: venv

@@ -46,6 +46,7 @@ PEER = [sys.executable, "-m", "spark_dilation.testing.spark_peer"]
 REPORT = "spark-dilation transfer report: "
 CASES = ("transfer", "ceiling", "manual")
 MB = 1_000_000
+CONF_ENV = "SPARK_DILATION_BENCHMARK_CONF"  # --conf, for the helper processes
 
 
 # --- /proc sampling --------------------------------------------------------------------
@@ -63,6 +64,7 @@ class ProcSampler:
         self.rss: dict[int, int] = {}
         self.side: dict[int, str] = {}
         self.cmd: dict[int, str] = {}
+        self.seen: dict[int, list[float]] = {}  # pid -> [first, last] wall time sampled
         self._stop = threading.Event()
         self._thread = threading.Thread(target=self._run, daemon=True)
 
@@ -111,6 +113,8 @@ class ProcSampler:
                 continue
             self.side[pid] = side
             self.cmd[pid] = cmd
+            now = time.time()
+            self.seen.setdefault(pid, [now, now])[1] = now
             self.cpu[pid] = max(self.cpu.get(pid, 0.0), cpu)
             self.rss[pid] = max(self.rss.get(pid, 0), rss)
 
@@ -156,13 +160,14 @@ def run_transfer(args: argparse.Namespace, servers: Any, tmp: Path, n: int) -> d
     send_err = tmp / f"send-{n}.stderr"
     receiver = subprocess.Popen(
         [*PEER, "receive", *common, "--no-show", "--option", f"lanes={args.lanes}",
-         "--option", f"staging_dir={tmp / 'staging'}"],
+         "--option", f"staging_dir={tmp / 'staging'}", *_conf_args(args)],
         stdout=subprocess.PIPE, stderr=recv_err.open("w"),
     )  # fmt: skip
     sampler.roots[receiver.pid] = "receive"
     sender = subprocess.Popen(
         [*PEER, "send", *common, "--shape", "bench", "--rows", str(args.rows),
-         "--partitions", str(args.partitions), "--option", f"compression={args.compression}"],
+         "--partitions", str(args.partitions), "--option", f"compression={args.compression}",
+         *_conf_args(args)],
         stdout=subprocess.PIPE, stderr=send_err.open("w"),
     )  # fmt: skip
     sampler.roots[sender.pid] = "send"
@@ -170,6 +175,10 @@ def run_transfer(args: argparse.Namespace, servers: Any, tmp: Path, n: int) -> d
     sent = _json_line(sender.communicate(timeout=3600)[0])
     got = _json_line(receiver.communicate(timeout=3600)[0])
     sampler.stop()
+    t0 = max(sent.get("t0", 0), got.get("t0", 0))
+    _print_procs(args, sampler, t0, tmp / "staging")
+    if args.procs and "t_loaded" in got:
+        print(f"receiver: load() returned at {got['t_loaded'] - t0:.1f} s", file=sys.stderr)
     for side in (sent, got):
         if "error" in side:
             raise RuntimeError(side["error"])
@@ -205,16 +214,48 @@ def run_transfer(args: argparse.Namespace, servers: Any, tmp: Path, n: int) -> d
 
 
 def run_ceiling(args: argparse.Namespace, servers: Any, tmp: Path, n: int) -> dict[str, Any]:
-    out = subprocess.run(
+    proc = subprocess.Popen(
         [sys.executable, __file__, "_ceiling", "--rows", str(args.rows),
          "--partitions", str(args.partitions)],
-        capture_output=True, timeout=3600, check=False,
+        stdout=subprocess.PIPE, stderr=subprocess.PIPE,
     )  # fmt: skip
-    result = _json_line(out.stdout)
+    sampler = ProcSampler()
+    sampler.roots[proc.pid] = "ceiling"
+    sampler.start()
+    stdout, stderr = proc.communicate(timeout=3600)
+    sampler.stop()
+    _print_procs(args, sampler)
+    result = _json_line(stdout)
     if result.get("rows") != args.rows:
-        raise RuntimeError(f"the counting sink saw {result}: {out.stderr.decode()[-2000:]}")
+        raise RuntimeError(f"the counting sink saw {result}: {stderr.decode()[-2000:]}")
     return {"case": "ceiling", "rows": args.rows, "seconds": result["seconds"],
-            "rows_per_s": round(args.rows / result["seconds"])}  # fmt: skip
+            "rows_per_s": round(args.rows / result["seconds"]),
+            "cpu_s_by_process": sampler.breakdown("ceiling")}  # fmt: skip
+
+
+def _conf_args(args: argparse.Namespace) -> list[str]:
+    return [arg for kv in args.conf for arg in ("--conf", kv)]
+
+
+def _print_procs(
+    args: argparse.Namespace, sampler: ProcSampler, t0: float = 0.0, staging: Path | None = None
+) -> None:
+    """With ``--procs``: each Python process's CPU, RSS and lifetime (seconds from
+    ``t0``), and when each staged file appeared: a timeline of one run."""
+    if not args.procs:
+        return
+    for pid in sorted(sampler.cpu, key=lambda p: sampler.seen[p][0]):
+        first, last = (t - t0 if t0 else 0.0 for t in sampler.seen[pid])
+        print(
+            f"procs: {sampler.side[pid]:7} {first:6.1f}..{last:6.1f} s {sampler.cpu[pid]:6.2f} "
+            f"CPU-s {sampler.rss[pid] / 2**20:5.0f} MB  {sampler.cmd[pid][31:120]}",
+            file=sys.stderr,
+        )
+    if staging is not None and staging.exists():
+        for f in sorted(staging.rglob("*"), key=lambda f: f.stat().st_mtime):
+            if f.is_file():
+                at = f.stat().st_mtime - t0
+                print(f"staged: {at:6.1f} s {f.relative_to(staging)}", file=sys.stderr)
 
 
 def run_manual(args: argparse.Namespace, servers: Any, tmp: Path, n: int) -> dict[str, Any]:
@@ -257,7 +298,8 @@ RUNNERS = {"transfer": run_transfer, "ceiling": run_ceiling, "manual": run_manua
 def _spark() -> Any:
     from spark_dilation.testing.spark_peer import session
 
-    return session("local[2]", "spark-dilation-benchmark")
+    conf = json.loads(os.environ.get(CONF_ENV, "{}"))
+    return session("local[2]", "spark-dilation-benchmark", conf)
 
 
 def _ceiling(argv: list[str]) -> None:
@@ -356,7 +398,13 @@ def main() -> None:
     p.add_argument("--compression", default="none", choices=["none", "lz4", "zstd"])
     p.add_argument("--repeat", type=int, default=1)
     p.add_argument("--cases", default=",".join(CASES))
+    p.add_argument("--procs", action="store_true", help="print CPU and RSS per Python process")
+    p.add_argument(
+        "--conf", action="append", default=[], metavar="KEY=VALUE",
+        help="a Spark setting for every application of every case",
+    )  # fmt: skip
     args = p.parse_args()
+    os.environ[CONF_ENV] = json.dumps(dict(kv.split("=", 1) for kv in args.conf))
     cases = [c for c in args.cases.split(",") if c]
     from spark_dilation.testing import running_servers
 

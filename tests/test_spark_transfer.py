@@ -358,15 +358,36 @@ def test_unsupported_save_mode(spark: Any, mode: str, shown: str) -> None:
 
 
 def test_more_lanes_than_the_reader_can_run(spark: Any, wormhole_servers: Any, tmp_path: Path):
-    """lanes=4 on a 2-slot reader: the sender names the lane and the option; the reader fails."""
+    """lanes=4 on a 2-slot reader whose lanes start with its tasks (early_lanes=false):
+    the sender names the lane and the option; the reader fails."""
     _table, (sender, thread, box) = _python_sender(
         wormhole_servers, tmp_path, 40_000, lane_start_timeout=8
     )
     started = time.monotonic()
     with pytest.raises(Exception, match="the sender aborted the transfer"):
-        _load(spark, sender.code, wormhole_servers, tmp_path, lanes=4).count()
+        _load(
+            spark, sender.code, wormhole_servers, tmp_path, lanes=4, early_lanes="false"
+        ).count()
     thread.join(60)
     error = box.get("error")
     assert isinstance(error, LaneNotStartedError), box
     assert "did not start within 8 s" in str(error) and "set option lanes" in str(error)
     assert time.monotonic() - started < 120
+
+
+def test_early_lanes_run_more_lanes_than_task_slots(
+    spark: Any, wormhole_servers: Any, tmp_path: Path
+) -> None:
+    """A local-mode reader starts its lanes during load() (early_lanes=auto): lanes=4
+    on 2 task slots works, the rows are staged before the first action runs,
+    and show() then count() read them."""
+    table, (sender, thread, box) = _python_sender(wormhole_servers, tmp_path, 40_000)
+    df = _load(spark, sender.code, wormhole_servers, tmp_path, lanes=4)
+    thread.join(120)  # the sender finished before any action: the lanes were up
+    assert "error" not in box, box
+    assert box["report"].rows == 40_000
+    staged = sorted(p.name for p in (tmp_path / "staging").rglob("manifest.json"))
+    assert staged == ["manifest.json"] * 4
+    df.show(2)
+    assert df.count() == 40_000
+    assert _rows(df).equals(table.cast(_rows(df).schema))

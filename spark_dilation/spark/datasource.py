@@ -64,7 +64,7 @@ log = logging.getLogger("spark_dilation.spark")
 WRITE_OPTIONS: tuple[str, ...] = (
     "code",
     "path",
-    *(n for n in TransferOptions.names() if n not in ("lanes", "staging_dir")),
+    *(n for n in TransferOptions.names() if n not in ("lanes", "staging_dir", "early_lanes")),
 )
 
 
@@ -173,6 +173,13 @@ class DilationDataSource(DataSource):
         shutil.rmtree(dest, ignore_errors=True)
         self._spec = result
         log.info("dataset transfer %s agreed: %d lanes", result.transfer_id, result.lanes)
+        if _early_lanes(options.early_lanes):
+            # The sender can stream while Spark plans the first action and
+            # starts its tasks (seconds on a cold application); the read tasks
+            # then follow the staged files.
+            from ..transfer.lane import start_lanes
+
+            start_lanes(result)
         return to_spark_schema(result.schema)
 
     def reader(self, schema: StructType) -> DataSourceReader:
@@ -250,6 +257,14 @@ class StagedFileReader(DataSourceReader):
             # has no splits at all (an empty Parquet file, say).
             return
         yield from read_split(self.staged, split, self.target)
+
+
+def _early_lanes(setting: str) -> bool:
+    if setting == "auto":
+        from .locality import tasks_run_here
+
+        return tasks_run_here()
+    return setting == "true"
 
 
 def _transfer_options(options: Mapping[str, str], settings: ReadSettings) -> Any:

@@ -166,6 +166,7 @@ def main(argv: list[str] | None = None) -> int:
         else:
             result["t0"] = time.time()
             df = spark.read.format("dilation").options(**options).load()
+            result["t_loaded"] = time.time()  # the session is agreed (schema() returned)
             result["schema"] = df.schema.json()
             if not args.no_show:
                 df.show(3, truncate=40)

@@ -495,39 +495,35 @@ def read_lane(spec: TransferSpec, lane: int) -> Iterator[pa.RecordBatch]:
     """Every row the lane receives, once: staged partitions as they complete.
 
     The receiver runs in a lane host process (:mod:`.lanehost`) started on
-    first use, so the transfer goes on when Spark ends or kills the Python
-    worker of this task (``show()`` stops reading early; idle workers are
-    killed); this generator follows the staged files. Yields Arrow batches
-    with the transfer's schema. Raises when the sender aborts, a partition
-    cannot heal, or the lane hears nothing for ``idle_timeout``.
+    first use (or during ``load()``, with early lanes), so the transfer goes
+    on when Spark ends or kills the Python worker of this task (``show()``
+    stops reading early; idle workers are killed); this generator follows
+    the staged files. Yields Arrow batches with the transfer's schema. Raises
+    when the sender aborts, a partition cannot heal, or the lane hears
+    nothing for ``idle_timeout``.
     """
     staging = LaneStaging(spec.options.staging_root, spec.transfer_id, lane)
     emitted: set[int] = set()
+    faults = _Faults(spec.options.test_fail, lane, staging)
     manifest = staging.manifest()
     if manifest is not None:
-        yield from _emit_manifest(staging, manifest, lane, emitted)
+        yield from _emit_manifest(staging, manifest, lane, emitted, faults)
         return
     staging.ensure()
-    faults = spec.options.test_fail
-    first_attempt = _attempt() == 0
     ensure_host(spec, lane, staging)
     while True:
         _raise_host_error(staging)
         complete = sorted(staging.complete().items())
-        if complete and first_attempt and "lane-before-rows" in faults:
-            raise TransferError(f"test_fail: lane {lane} fails before emitting rows")
+        if complete:
+            faults.before_rows()
         for partition, path in complete:
             if partition not in emitted:
                 emitted.add(partition)
                 yield from read_staged(path)
-                if first_attempt and lane == 0 and "lane-after-rows" in faults:
-                    _lose_lane(staging)
-                    raise TransferError(
-                        f"test_fail: lane {lane} fails after emitting rows, losing its staging"
-                    )
+                faults.after_rows()
         manifest = staging.manifest()
         if manifest is not None:
-            yield from _emit_manifest(staging, manifest, lane, emitted)
+            yield from _emit_manifest(staging, manifest, lane, emitted, faults)
             return
         if not host_alive(staging):
             _raise_host_error(staging)
@@ -535,6 +531,25 @@ def read_lane(spec: TransferSpec, lane: int) -> Iterator[pa.RecordBatch]:
                 log.warning("lane %d: its receiver process ended; starting another", lane)
                 ensure_host(spec, lane, staging)
         time.sleep(_POLL)
+
+
+class _Faults:
+    """Test-only fault injection of a read task (option ``test_fail``), first attempt only."""
+
+    def __init__(self, test_fail: str, lane: int, staging: LaneStaging) -> None:
+        self.armed = bool(test_fail) and _attempt() == 0
+        self.test_fail, self.lane, self.staging = test_fail, lane, staging
+
+    def before_rows(self) -> None:
+        if self.armed and "lane-before-rows" in self.test_fail:
+            raise TransferError(f"test_fail: lane {self.lane} fails before emitting rows")
+
+    def after_rows(self) -> None:
+        if self.armed and self.lane == 0 and "lane-after-rows" in self.test_fail:
+            _lose_lane(self.staging)
+            raise TransferError(
+                f"test_fail: lane {self.lane} fails after emitting rows, losing its staging"
+            )
 
 
 # --- lane host processes --------------------------------------------------------------------
@@ -575,14 +590,34 @@ def host_alive(staging: LaneStaging) -> bool:
     return False
 
 
+def start_lanes(spec: TransferSpec, wait: float = 60.0) -> None:
+    """Start every lane's host process now (early lanes), then wait until each runs.
+
+    The read tasks that come later find the hosts alive and follow their
+    staged files, exactly as a second action does.
+    """
+    started = []
+    for lane in range(spec.lanes):
+        staging = LaneStaging(spec.options.staging_root, spec.transfer_id, lane)
+        staging.ensure()
+        started.append((lane, staging, _spawn_host(spec, lane, staging)))
+    for lane, staging, proc in started:
+        _wait_host(lane, staging, proc, wait)
+
+
 def ensure_host(spec: TransferSpec, lane: int, staging: LaneStaging, wait: float = 60.0) -> None:
     """Start the lane's host process unless one runs; wait until it holds the lock."""
+    _wait_host(lane, staging, _spawn_host(spec, lane, staging), wait)
+
+
+def _spawn_host(spec: TransferSpec, lane: int, staging: LaneStaging) -> Any:
+    """A new lane host process, or None if one already holds the lane's lock."""
     import pickle
     import subprocess
     import sys
 
     if host_alive(staging):
-        return
+        return None
     spec_path = staging.dir / f".spec-{uuid.uuid4().hex}.pkl"
     fd = os.open(spec_path, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o600)  # holds the secret
     with os.fdopen(fd, "wb") as f:
@@ -596,6 +631,12 @@ def ensure_host(spec: TransferSpec, lane: int, staging: LaneStaging, wait: float
             start_new_session=True,  # outlives this worker, and Spark's kills of its group
             close_fds=True,
         )
+    return proc
+
+
+def _wait_host(lane: int, staging: LaneStaging, proc: Any, wait: float) -> None:
+    if proc is None:
+        return
     deadline = time.monotonic() + wait
     while not host_alive(staging):
         if proc.poll() is not None:
@@ -627,9 +668,15 @@ def _lose_lane(staging: LaneStaging) -> None:
 
 
 def _emit_manifest(
-    staging: LaneStaging, manifest: Manifest, lane: int, emitted: set[int]
+    staging: LaneStaging,
+    manifest: Manifest,
+    lane: int,
+    emitted: set[int],
+    faults: _Faults | None = None,
 ) -> Iterator[pa.RecordBatch]:
     complete = staging.complete()
+    if faults is not None and manifest.for_lane(lane):
+        faults.before_rows()
     for c in manifest.for_lane(lane):
         if c.partition in emitted:
             continue
@@ -642,6 +689,8 @@ def _emit_manifest(
             )
         emitted.add(c.partition)
         yield from read_staged(path)
+        if faults is not None:
+            faults.after_rows()
     extra = emitted - {c.partition for c in manifest.for_lane(lane)}
     if extra:
         # Cannot happen with Spark's commit protocol; never silently.

@@ -20,6 +20,7 @@ from ..errors import DilationError
 # Defined here, not in protocol.py, so that Spark's data source lookup, which
 # imports this module, does not load the wormhole stack (Twisted) with it.
 COMPRESSIONS = ("none", "lz4", "zstd")
+EARLY_LANES = ("auto", "true", "false")
 
 MAILBOX_ENV = "SPARK_DILATION_MAILBOX"
 RELAY_ENV = "SPARK_DILATION_RELAY"
@@ -43,6 +44,13 @@ class TransferOptions:
       Dilation give-up error (``DilationReconnectFailed``).
     * ``idle_timeout``: seconds a lane waits without any sender activity.
     * ``compression``: Arrow IPC body compression, ``none``, ``lz4`` or ``zstd``.
+    * ``early_lanes``: start the receiving lanes as soon as the code is agreed
+      (during ``load()``), not when the first action's tasks run, so the
+      sender streams while the reader plans. ``auto``: when the reader's tasks
+      run on the driver's machine (Spark master ``local`` or
+      ``local-cluster``); ``true``/``false`` force it. Lanes stage on the
+      machine that ran ``load()``, so ``true`` on a multi-machine cluster
+      needs a ``staging_dir`` every executor can read.
     """
 
     mailbox: str | None = None
@@ -55,6 +63,7 @@ class TransferOptions:
     compression: str = "none"
     staging_dir: str | None = None
     no_listen: bool = False
+    early_lanes: str = "auto"
     # Test-only fault injection ("" = none); see docs/transfer.md.
     test_fail: str = ""
 
@@ -66,6 +75,10 @@ class TransferOptions:
                 raise TransferOptionError(
                     f"option {name}={getattr(self, name)!r} must be a positive number of seconds"
                 )
+        if self.early_lanes not in EARLY_LANES:
+            raise TransferOptionError(
+                f"option early_lanes={self.early_lanes!r} is not one of {', '.join(EARLY_LANES)}"
+            )
         if self.compression not in COMPRESSIONS:
             raise TransferOptionError(
                 f"option compression={self.compression!r} is not one of {', '.join(COMPRESSIONS)}"

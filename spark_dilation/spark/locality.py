@@ -1,0 +1,71 @@
+"""Does this Spark application run its tasks on this machine? (for early lanes)
+
+A data source's planner worker (where ``schema()`` runs) cannot ask Spark for
+its master. Its ancestor is the driver JVM, whose command line carries the
+master as PySpark and ``spark-submit`` pass it (``--conf spark.master=...``
+or ``--master ...``). ``local`` and ``local-cluster`` run every task on this
+machine; anything else, or no answer, is "not known to be local".
+"""
+
+from __future__ import annotations
+
+import os
+from pathlib import Path
+
+_MAX_DEPTH = 8
+
+
+def _parent_and_comm(pid: int) -> tuple[int, str] | None:
+    try:
+        raw = Path(f"/proc/{pid}/stat").read_text()
+    except OSError:
+        return None
+    comm = raw[raw.index("(") + 1 : raw.rindex(")")]
+    fields = raw[raw.rindex(")") + 2 :].split()
+    return int(fields[1]), comm
+
+
+def _cmdline(pid: int) -> list[str]:
+    try:
+        return Path(f"/proc/{pid}/cmdline").read_bytes().decode(errors="replace").split("\0")
+    except OSError:
+        return []
+
+
+def master_from_cmdline(args: list[str]) -> str | None:
+    """The Spark master a JVM command line names, if any."""
+    for i, arg in enumerate(args):
+        if arg.startswith("spark.master="):
+            return arg.split("=", 1)[1]
+        if arg == "--master" and i + 1 < len(args):
+            return args[i + 1]
+        if arg.startswith("--master="):
+            return arg.split("=", 1)[1]
+    return None
+
+
+def is_local_master(master: str | None) -> bool:
+    return master is not None and (
+        master == "local" or master.startswith(("local[", "local-cluster["))
+    )
+
+
+def driver_master(pid: int | None = None) -> str | None:
+    """The master of the nearest ancestor JVM of ``pid`` (default: this process)."""
+    pid = os.getpid() if pid is None else pid
+    for _ in range(_MAX_DEPTH):
+        info = _parent_and_comm(pid)
+        if info is None:
+            return None
+        parent, comm = info
+        if comm == "java":
+            return master_from_cmdline(_cmdline(pid))
+        if parent <= 1:
+            return None
+        pid = parent
+    return None
+
+
+def tasks_run_here() -> bool:
+    """True when the JVM above this process is a local or local-cluster Spark driver."""
+    return is_local_master(driver_master())
