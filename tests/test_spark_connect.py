@@ -10,13 +10,17 @@ line, as a notebook on Databricks serverless would.
 from __future__ import annotations
 
 import json
+import subprocess
+import sys
 from pathlib import Path
 from typing import Any
 
+import pyarrow as pa
 import pytest
 from test_spark_transfer import Side, read_parquet, staging
 
 from spark_dilation.spark.register import SparkVersionError, check_pyspark, register
+from spark_dilation.transfer import receive_table, send_in_background
 
 ROWS = "200000"
 
@@ -90,3 +94,69 @@ def test_classic_writer_to_connect_reader(wormhole_servers: Any, tmp_path: Path)
     _check(sent, got, tmp_path)
     report = sender.report()  # the classic writer's commit() logged its report
     assert report["rows"] == int(ROWS) and report["partitions"] == 4
+
+
+# --- the notebook API from a Connect session --------------------------------------
+
+NOTEBOOK = [sys.executable, "-m", "spark_dilation.testing.connect_notebook"]
+NB_ROWS = 50_000
+
+
+def expected_rows(rows: int = NB_ROWS) -> pa.Table:
+    ids = list(range(rows))
+    return pa.table(
+        {
+            "id": pa.array(ids, pa.int64()),
+            "twice": pa.array([i * 2 for i in ids], pa.int64()),
+            "name": pa.array([f"row {i}" for i in ids], pa.string()),
+        }
+    )
+
+
+def test_notebook_send_from_a_connect_session(wormhole_servers: Any, tmp_path: Path) -> None:
+    """send() returns the code at once (no receiver exists yet); the rows arrive exactly."""
+    err = (tmp_path / "send.stderr").open("w")
+    proc = subprocess.Popen(
+        [*NOTEBOOK, "send", "--mailbox", wormhole_servers.mailbox_url,
+         "--relay", wormhole_servers.relay_url, "--rows", str(NB_ROWS)],
+        stdout=subprocess.PIPE, stderr=err, text=True,
+    )  # fmt: skip
+    try:
+        assert proc.stdout is not None
+        first = json.loads(proc.stdout.readline())  # before anyone received anything
+        got = receive_table(
+            first["code"],
+            mailbox=wormhole_servers.mailbox_url,
+            relay=wormhole_servers.relay_url,
+            staging_dir=str(tmp_path / "staging"),
+        )
+        last = json.loads(proc.stdout.readline())
+        assert proc.wait(120) == 0, last
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+    assert last == {"session": "pyspark.sql.connect.session", "done": True}
+    assert got.sort_by("id").equals(expected_rows().cast(got.schema))
+
+
+def test_notebook_receive_into_a_connect_session(wormhole_servers: Any, tmp_path: Path) -> None:
+    table = expected_rows()
+    sender, thread, box = send_in_background(
+        table, mailbox=wormhole_servers.mailbox_url, relay=wormhole_servers.relay_url
+    )
+    out = subprocess.run(
+        [*NOTEBOOK, "receive", "--mailbox", wormhole_servers.mailbox_url,
+         "--relay", wormhole_servers.relay_url, "--code", sender.code,
+         "--out", str(tmp_path / "out"), "--staging-dir", str(tmp_path / "staging")],
+        capture_output=True, text=True, timeout=600, check=False,
+    )  # fmt: skip
+    thread.join(120)
+    lines = [line for line in out.stdout.splitlines() if line.startswith("{")]
+    assert lines, out.stderr[-3000:]
+    got = json.loads(lines[-1])
+    assert "error" not in got, got
+    assert got["session"] == "pyspark.sql.connect.session"
+    assert got["count"] == NB_ROWS  # count() after show() on the same DataFrame
+    assert "error" not in box and box["report"].rows == NB_ROWS, box
+    received = read_parquet(tmp_path / "out")
+    assert received.equals(table.cast(received.schema))
