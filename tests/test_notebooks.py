@@ -42,6 +42,7 @@ def test_the_sender_and_receiver_notebooks_move_a_dataframe(
     monkeypatch.setenv("SPARK_DILATION_CODE", code)
     monkeypatch.setenv("PYSPARK_PYTHON", sys.executable)
     monkeypatch.setenv("SPARK_LOCAL_IP", "127.0.0.1")
+    monkeypatch.delenv("SPARK_MASTER", raising=False)
     sent, received = tmp_path / "sent.parquet", tmp_path / "received.parquet"
     sender = with_cell(
         "send_a_dataset.ipynb",

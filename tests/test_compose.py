@@ -1,0 +1,239 @@
+"""docker-compose.yml, without Docker: every service's command runs here, on loopback.
+
+Each service's command line is taken from the compose file, its host names
+become 127.0.0.1 and its ports free local ones, and it runs as a plain
+process from this venv (what the Dockerfile installs). The test then checks
+that they talk: each worker registers with its own master, and the mailbox
+and relay named in the services' environment carry a dataset.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import re
+import signal
+import socket
+import subprocess
+import sys
+import time
+import urllib.request
+from collections.abc import Iterator
+from pathlib import Path
+
+import pyarrow as pa
+import pyarrow.parquet as pq
+import pytest
+import yaml
+
+import spark_dilation
+
+ROOT = Path(__file__).resolve().parent.parent
+BIN = Path(sys.executable).parent
+LISTEN_FLAGS = ("--port", "--webui-port", "--mailbox-port", "--relay-port")
+HOST_FLAGS = ("--host", "--interface", "--ip")
+ADDRESS = re.compile(r"(?P<scheme>spark://|ws://|tcp:)(?P<host>[\w.-]+):(?P<port>\d+)")
+STARTUP = 150  # seconds: a guard against hanging, not a performance bound
+
+
+def compose() -> dict:
+    return yaml.safe_load((ROOT / "docker-compose.yml").read_text())
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+class Remap:
+    """Container (host, port) pairs to free loopback ports, the same pair to the same port."""
+
+    def __init__(self) -> None:
+        self.ports: dict[tuple[str, int], int] = {}
+
+    def port(self, host: str, port: int) -> int:
+        return self.ports.setdefault((host, port), free_port())
+
+    def text(self, value: str) -> str:
+        def swap(m: re.Match) -> str:
+            return f"{m['scheme']}127.0.0.1:{self.port(m['host'], int(m['port']))}"
+
+        return ADDRESS.sub(swap, value)
+
+    def command(self, name: str, service: dict) -> list[str]:
+        me = service.get("hostname", name)
+        args = list(service["command"])
+        out: list[str] = []
+        for i, arg in enumerate(args):
+            before = args[i - 1] if i else ""
+            if before in LISTEN_FLAGS:
+                out.append(str(self.port(me, int(arg))))
+            elif before in HOST_FLAGS:
+                out.append("127.0.0.1")
+            else:
+                out.append(self.text(arg))
+        # The image's programs are this venv's.
+        out[0] = str(BIN / out[0])
+        return out
+
+    def environment(self, service: dict) -> dict[str, str]:
+        env = {k: self.text(str(v)) for k, v in (service.get("environment") or {}).items()}
+        env["PYSPARK_PYTHON"] = sys.executable
+        return env
+
+
+@pytest.fixture(scope="module")
+def services(tmp_path_factory) -> Iterator[tuple[dict, Remap, dict[str, subprocess.Popen]]]:
+    spec = compose()
+    remap = Remap()
+    logs = tmp_path_factory.mktemp("compose")
+    procs: dict[str, subprocess.Popen] = {}
+    try:
+        for name, service in spec["services"].items():
+            if name == "jupyter":
+                continue  # see test_the_jupyter_service_serves_the_tested_notebooks
+            env = {
+                **os.environ,
+                **remap.environment(service),
+                "PATH": f"{BIN}{os.pathsep}{os.environ['PATH']}",
+                "SPARK_LOCAL_IP": "127.0.0.1",
+                "SPARK_WORKER_DIR": str(logs / f"{name}-work"),
+                "SPARK_LOG_DIR": str(logs),
+            }
+            with open(logs / f"{name}.log", "wb") as log:
+                procs[name] = subprocess.Popen(
+                    remap.command(name, service),
+                    env=env,
+                    stdout=log,
+                    stderr=subprocess.STDOUT,
+                    start_new_session=True,
+                )
+        yield spec, remap, procs
+    finally:
+        for proc in procs.values():
+            if proc.poll() is None:
+                os.killpg(proc.pid, signal.SIGTERM)
+        for proc in procs.values():
+            try:
+                proc.wait(30)
+            except subprocess.TimeoutExpired:
+                os.killpg(proc.pid, signal.SIGKILL)
+                proc.wait()
+
+
+def master_state(port: int) -> dict | None:
+    try:
+        with urllib.request.urlopen(f"http://127.0.0.1:{port}/json/", timeout=5) as r:
+            return json.load(r)
+    except OSError:
+        return None
+
+
+def test_the_compose_file_has_the_services_the_readme_describes():
+    spec = compose()
+    assert set(spec["services"]) == {
+        "wormhole",
+        "spark-a-master",
+        "spark-a-worker",
+        "spark-b-master",
+        "spark-b-worker",
+        "jupyter",
+    }
+    for name, service in spec["services"].items():
+        assert service["build"] == "."
+        env = service["environment"]
+        assert env["SPARK_DILATION_MAILBOX"] == "ws://wormhole:4000/v1", name
+        assert env["SPARK_DILATION_RELAY"] == "tcp:wormhole:4001", name
+
+
+def test_each_worker_registers_with_its_own_master(services):
+    spec, remap, procs = services
+    deadline = time.monotonic() + STARTUP
+    for cluster in ("a", "b"):
+        master = spec["services"][f"spark-{cluster}-master"]
+        webui = remap.port(master["hostname"], 8080)
+        spark_port = remap.port(master["hostname"], 7077)
+        state = None
+        while time.monotonic() < deadline:
+            for name, proc in procs.items():
+                assert proc.poll() is None, f"service {name} exited with {proc.returncode}"
+            state = master_state(webui)
+            if state and [w for w in state["workers"] if w["state"] == "ALIVE"]:
+                break
+            time.sleep(1)
+        assert state is not None, f"the master of cluster {cluster} never answered"
+        alive = [w for w in state["workers"] if w["state"] == "ALIVE"]
+        assert len(alive) == 1, state
+        assert state["url"] == f"spark://127.0.0.1:{spark_port}"
+        assert alive[0]["cores"] == 2
+
+
+def test_the_wormhole_service_carries_a_dataset(services):
+    spec, remap, procs = services
+    env = remap.environment(spec["services"]["spark-a-worker"])
+    mailbox, relay = env["SPARK_DILATION_MAILBOX"], env["SPARK_DILATION_RELAY"]
+    table = pa.table({"id": list(range(1000)), "word": [f"w{i}" for i in range(1000)]})
+    deadline = time.monotonic() + STARTUP
+    while True:  # the server process may still be starting
+        try:
+            with socket.create_connection(("127.0.0.1", int(mailbox.rsplit(":", 1)[1][:-3]))):
+                break
+        except OSError:
+            assert procs["wormhole"].poll() is None, "the wormhole service exited"
+            assert time.monotonic() < deadline, "the mailbox never listened"
+            time.sleep(0.5)
+    handle = spark_dilation.send(table, mailbox=mailbox, relay=relay, no_listen=True)
+    got = spark_dilation.receive(None, handle.code, mailbox=mailbox, relay=relay, no_listen=True)
+    report = handle.wait(STARTUP)
+    assert got.equals(table)
+    assert report.path == "relay"  # no_listen on both sides: only the relay service joins them
+
+
+def test_cluster_b_receives_a_dataset_through_the_wormhole_service(services, tmp_path):
+    # A Spark application on standalone cluster B (its driver here, its
+    # executor on B's worker, lanes in the executor's tasks) receives what this
+    # process sends, through the wormhole service. (Spark to Spark between two
+    # applications is the demo's and tests/test_spark_transfer.py's job.)
+    spec, remap, _ = services
+    test_each_worker_registers_with_its_own_master(services)
+    env = remap.environment(spec["services"]["spark-b-worker"])
+    mailbox, relay = env["SPARK_DILATION_MAILBOX"], env["SPARK_DILATION_RELAY"]
+    table = pa.table(
+        {
+            "id": pa.array(range(3000), pa.int64()),
+            "name": [f"n{i}" if i % 7 else None for i in range(3000)],
+            "x": [i / 8 for i in range(3000)],
+        }
+    )
+    handle = spark_dilation.send(table, mailbox=mailbox, relay=relay)
+    master = f"spark://127.0.0.1:{remap.port('spark-b-master', 7077)}"
+    out, log = tmp_path / "out", tmp_path / "receive.log"
+    with open(log, "wb") as err:
+        done = subprocess.run(
+            [sys.executable, "-m", "spark_dilation.testing.spark_peer", "receive",
+             "--code", handle.code, "--mailbox", mailbox, "--relay", relay,
+             "--master", master, "--no-show", "--out", str(out),
+             "--conf", "spark.executor.memory=512m"],
+            env={**os.environ, **env, "SPARK_LOCAL_IP": "127.0.0.1"},
+            stdout=subprocess.PIPE, stderr=err, text=True, timeout=STARTUP * 2, check=False,
+        )  # fmt: skip
+    assert done.returncode == 0, done.stdout + log.read_text(errors="replace")[-3000:]
+    handle.wait(STARTUP)
+    result = json.loads(done.stdout.splitlines()[-1])
+    assert result["count"] == 3000
+    got = pq.read_table(out).select(["id", "name", "x"]).sort_by("id")
+    assert got.to_pylist() == table.to_pylist()
+
+
+def test_the_jupyter_service_serves_the_tested_notebooks():
+    # No JupyterLab here (the Dockerfile installs it); the notebooks it mounts are
+    # the ones tests/test_notebooks.py runs in real kernels.
+    jupyter = compose()["services"]["jupyter"]
+    command = jupyter["command"]
+    assert command[:2] == ["jupyter", "lab"]
+    folder = command[command.index("--notebook-dir") + 1]
+    assert f"./notebooks:{folder}" in jupyter["volumes"]
+    assert jupyter["environment"]["SPARK_MASTER"] == "spark://spark-a-master:7077"
+    assert "jupyterlab" in (ROOT / "Dockerfile").read_text()
+    assert (ROOT / "notebooks" / "send_a_dataset.ipynb").exists()
