@@ -25,6 +25,7 @@ from twisted.python.failure import Failure
 from ..transit import hints as H
 from ..transit.connector import cancel_pending, local_addresses
 from . import connection as C
+from .deadline import DeadlineTimer
 from .records import Record
 from .selection import Drop, Select, Selection
 
@@ -141,7 +142,7 @@ class GenerationConnector:
         self._protocols: set[L2Protocol] = set()
         self._pending: list[Any] = []
         self._dialed: set[tuple[str, int, bool]] = set()
-        self._window_timer: Any = None
+        self._window_timer = DeadlineTimer(reactor, self._window_fired)
         self.winner: L2Protocol | None = None
         self.stopped = False
         # Redial bookkeeping: the peer's hints (to dial again) and how many of
@@ -294,17 +295,10 @@ class GenerationConnector:
 
     def _arm_window(self) -> None:
         """Wake the selection when a relay candidate has waited long enough."""
-        if self._window_timer is not None and self._window_timer.active():
-            self._window_timer.cancel()
-        self._window_timer = None
-        deadline = self._selection.next_deadline()
-        if deadline is not None and not self.stopped:
-            delay = max(0.0, deadline - self._reactor.seconds())
-            self._window_timer = self._reactor.callLater(delay, self._window_fired)
+        self._window_timer.arm(None if self.stopped else self._selection.next_deadline())
 
-    def _window_fired(self) -> None:
-        self._window_timer = None
-        self._apply_selection(self._selection.timer_fired(self._reactor.seconds()))
+    def _window_fired(self, now: float) -> None:
+        self._apply_selection(self._selection.timer_fired(now))
 
     def _select(self, p: L2Protocol) -> None:
         self.winner = p
@@ -326,9 +320,7 @@ class GenerationConnector:
         self._check_idle()
 
     def _stop_others(self) -> None:
-        if self._window_timer is not None and self._window_timer.active():
-            self._window_timer.cancel()
-        self._window_timer = None
+        self._window_timer.cancel()
         cancel_pending(self._pending)
         for p in list(self._protocols):
             if p is not self.winner:

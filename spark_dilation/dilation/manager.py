@@ -29,6 +29,7 @@ from . import outbound as O
 from . import redial as R
 from . import subchannels as S
 from .connector import GenerationConnector, L2Protocol
+from .deadline import DeadlineTimer
 from .inbound import Inbound
 from .records import Ack, Close, Data, Open, Ping, Pong, Record
 from .subchannel import SubChannel
@@ -100,7 +101,7 @@ class DilationManager:
         self._connector: GenerationConnector | None = None
         self._l2: L2Protocol | None = None
         self._keepalive: K.Keepalive | None = None
-        self._ka_timer: Any = None
+        self._ka_timer = DeadlineTimer(reactor, self._ka_fired)
         self._dilated: defer.Deferred = defer.Deferred()
         self._dilated_waiters: list[defer.Deferred] = []
         self._dilation_failure: BaseException | None = None  # later waiters fail with it
@@ -113,7 +114,7 @@ class DilationManager:
         # Redial (see .redial): the policy, its timer, and what was tried since
         # the connection went down (description -> [attempts, last error]).
         self._redial = redial or R.RedialPolicy(give_up_after=reconnect_timeout)
-        self._redial_timer: Any = None
+        self._redial_timer = DeadlineTimer(reactor, self._redial_fired)
         self._tried: dict[str, list[Any]] = {}
         self._down_generation = 0
         self._failure: DilationReconnectFailed | None = None
@@ -257,7 +258,7 @@ class DilationManager:
         if self._keepalive is not None:
             self._keepalive.connection_lost()
             self._keepalive = None
-        self._cancel_ka_timer()
+        self._ka_timer.cancel()
         self._outbound.connection_lost()
         self._transport_paused = False
         self._update_writers()
@@ -297,16 +298,10 @@ class DilationManager:
         self._publish_status()
 
     def _arm_redial_timer(self) -> None:
-        if self._redial_timer is not None and self._redial_timer.active():
-            self._redial_timer.cancel()
-        self._redial_timer = None
-        deadline = self._redial.next_deadline()
-        if deadline is not None and self._failure is None and self._stopped is None:
-            delay = max(0.0, deadline - self._reactor.seconds())
-            self._redial_timer = self._reactor.callLater(delay, self._redial_fired)
+        done = self._failure is not None or self._stopped is not None
+        self._redial_timer.arm(None if done else self._redial.next_deadline())
 
-    def _redial_fired(self) -> None:
-        self._redial_timer = None
+    def _redial_fired(self, now: float) -> None:
         self._redial_event(self._redial.timer_fired)
 
     def _give_up(self) -> None:
@@ -327,7 +322,7 @@ class DilationManager:
         self._failure = error
         self._status.error = str(error)
         self._apply(self._l1.give_up())
-        self._cancel_ka_timer()
+        self._ka_timer.cancel()
         self._fail_waiters(error)
         channels, self._channels = list(self._channels.values()), {}
         for channel in channels:
@@ -397,23 +392,11 @@ class DilationManager:
         self._arm_ka_timer()
 
     def _arm_ka_timer(self) -> None:
-        self._cancel_ka_timer()
-        if self._keepalive is None:
-            return
-        deadline = self._keepalive.next_deadline()
-        if deadline is not None:
-            delay = max(0.0, deadline - self._reactor.seconds())
-            self._ka_timer = self._reactor.callLater(delay, self._ka_fired)
+        self._ka_timer.arm(None if self._keepalive is None else self._keepalive.next_deadline())
 
-    def _ka_fired(self) -> None:
-        self._ka_timer = None
+    def _ka_fired(self, now: float) -> None:
         if self._keepalive is not None:
-            self._apply_keepalive(self._keepalive.timer_fired(self._reactor.seconds()))
-
-    def _cancel_ka_timer(self) -> None:
-        if self._ka_timer is not None and self._ka_timer.active():
-            self._ka_timer.cancel()
-        self._ka_timer = None
+            self._apply_keepalive(self._keepalive.timer_fired(now))
 
     # --- L4 / L5 ---
 
@@ -589,9 +572,8 @@ class DilationManager:
             if self._connector is not None:
                 self._connector.stop()
                 self._connector = None
-            self._cancel_ka_timer()
-            if self._redial_timer is not None and self._redial_timer.active():
-                self._redial_timer.cancel()
+            self._ka_timer.cancel()
+            self._redial_timer.cancel()
             self._fail_waiters(DilationFailed("dilation was stopped"))
         d: defer.Deferred = defer.Deferred()
         self._stopped.addBoth(lambda r: (d.callback(None), r)[1])
