@@ -228,10 +228,10 @@ class SendHandle:
         """Stop the send; :meth:`wait` then raises ``TransferCancelledError``.
 
         From this process: the wait for the receiver ends, or the partitions
-        stop at their next batch and the receiver is told. From Spark: the
-        operations of this send are interrupted (``SparkSession.interruptTag``);
-        a writer still waiting for its receiver inside Spark's planning may
-        only stop when its ``peer_timeout`` passes.
+        stop at their next batch and the receiver is told. From Spark: a writer
+        still waiting for its receiver is refused over its own code (see
+        :func:`_refuse_own_code`), and Spark jobs already running are
+        interrupted (``SparkSession.interruptTag``).
         """
         if self.done:
             return
@@ -333,10 +333,67 @@ def _send_spark(df: Any, code: str | None, options: dict[str, Any]) -> SendHandl
             if can_tag:
                 spark.removeTag(tag)
 
-    if can_tag:
-        handle._cancel_hook = lambda: spark.interruptTag(tag)
+    mailbox = _spark_options(options).get("mailbox")
+
+    def cancel() -> None:
+        _refuse_own_code(code, mailbox)  # a writer still waiting for its receiver
+        if can_tag:
+            spark.interruptTag(tag)  # Spark jobs already running
+
+    handle._cancel_hook = cancel
     handle._start(work)
     return handle
+
+
+CANCEL_REASON = "the sender cancelled the send"
+REFUSE_TIMEOUT = 15.0  # seconds the refusing wormhole waits for the writer's
+
+
+def _refuse_own_code(code: str, mailbox: str | None) -> None:
+    """Open our own code as a receiver and refuse the offer, in the background.
+
+    A Spark writer waits for its receiver inside Spark's planning, where
+    ``interruptTag`` does not reach (no job runs yet); this makes it fail at
+    once with ``the other side abandoned the transfer: the sender cancelled
+    the send``. If the real receiver is already there, the mailbox refuses
+    this third party (crowded) and nothing changes.
+    """
+    import contextlib
+
+    import crochet
+    from twisted.internet import defer
+
+    from .errors import DilationError
+    from .transfer.options import TransferOptions
+    from .transfer.protocol import SESSION_APP_VERSIONS
+    from .transfer.session import SESSION_APPID, accept_offer
+    from .wormhole.blocking import ensure_reactor
+    from .wormhole.client import Wormhole
+
+    options = TransferOptions(mailbox=mailbox)
+    ensure_reactor()
+
+    async def run() -> None:
+        from twisted.internet import reactor
+
+        w = Wormhole(
+            SESSION_APPID,
+            options.mailbox_url,
+            reactor,
+            app_versions=SESSION_APP_VERSIONS,
+            timeout=REFUSE_TIMEOUT,
+        )
+        try:
+            w.set_code(code)
+            await w.get_verifier()
+            await accept_offer(w, options, check=lambda schema: CANCEL_REASON)
+        except DilationError:
+            pass  # refused as planned, crowded, or nobody there
+        finally:
+            with contextlib.suppress(DilationError):
+                await w.close()
+
+    crochet.run_in_reactor(lambda: defer.ensureDeferred(run()))()
 
 
 def receive(spark: Any, code: str, **options: Any) -> Any:

@@ -105,3 +105,14 @@ def test_wait_reraises_a_wrong_code_readably(mailbox_url, relay_url):
     t.join(WAIT)
     assert isinstance(receiver_error[0], WrongCodeError)
     assert handle.progress.state == "failed"
+
+
+def test_cancelling_a_spark_send_nobody_received_ends_it(spark, mailbox_url):
+    # The writer waits for its receiver inside Spark's planning, out of
+    # interruptTag's reach: cancel refuses the offer over the send's own code.
+    handle = spark_dilation.send(spark.range(10), mailbox=mailbox_url)
+    handle.cancel()
+    with pytest.raises(TransferCancelledError, match=f"code {handle.code} was cancelled") as e:
+        handle.wait(WAIT)
+    assert "the sender cancelled the send" in str(e.value.__cause__)
+    assert handle.progress.state == "cancelled"
