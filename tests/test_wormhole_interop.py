@@ -145,6 +145,10 @@ async def test_mailbox_connection_dropped_during_close_still_closes(wormhole_ser
     proxy.drop_connections()  # ...until the connection is replaced
     proxy.thaw()
     await closing
+    # Our version may have been in flight when the proxy froze: it must still
+    # reach the reference (resent on the new connection) before it closes,
+    # else the reference's close would rightly report LonelyError.
+    await r.get_versions()
     await r.close()
 
 
