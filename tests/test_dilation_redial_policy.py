@@ -112,7 +112,7 @@ def test_connected_resets_the_clock_and_the_count() -> None:
     p.attempts_failed(0.0)
     p.timer_fired(5.0)
     p.connected(6.0)
-    assert (p.state, p.down_since, p.next_deadline()) == ("UP", None, None)
+    assert (p.state, p.down_since, p.retries, p.next_deadline()) == ("UP", None, 0, None)
     p.disconnected(100.0)
     assert (p.retries, p.next_deadline()) == (0, 110.0)
 

@@ -365,9 +365,7 @@ def test_more_lanes_than_the_reader_can_run(spark: Any, wormhole_servers: Any, t
     )
     started = time.monotonic()
     with pytest.raises(Exception, match="the sender aborted the transfer"):
-        _load(
-            spark, sender.code, wormhole_servers, tmp_path, lanes=4, early_lanes="false"
-        ).count()
+        _load(spark, sender.code, wormhole_servers, tmp_path, lanes=4, early_lanes="false").count()
     thread.join(60)
     error = box.get("error")
     assert isinstance(error, LaneNotStartedError), box

@@ -112,10 +112,10 @@ class DilationManager:
         self._reading_paused = False
         self._stopped: defer.Deferred | None = None
         # Redial (see .redial): the policy, its timer, and what was tried since
-        # the connection went down (description -> [attempts, last error]).
+        # the connection went down (description -> (attempts, last error)).
         self._redial = redial or R.RedialPolicy(give_up_after=reconnect_timeout)
         self._redial_timer = DeadlineTimer(reactor, self._redial_fired)
-        self._tried: dict[str, list[Any]] = {}
+        self._tried: dict[str, tuple[int, str]] = {}
         self._down_generation = 0
         self._failure: DilationReconnectFailed | None = None
         # The highest seqnum received in the current chunk, ACKed when the
@@ -199,9 +199,8 @@ class DilationManager:
 
         def on_attempt_failed(description: str, why: str) -> None:
             if self._connector is connector:
-                tried = self._tried.setdefault(description, [0, why])
-                tried[0] += 1
-                tried[1] = why
+                attempts, _ = self._tried.get(description, (0, why))
+                self._tried[description] = (attempts + 1, why)
                 self._status.last_error = f"{description}: {why}"
 
         connector = self._connector = GenerationConnector(
@@ -239,8 +238,6 @@ class DilationManager:
         self._status.connection = p.description
         self._redial_event(self._redial.connected)
         self._tried.clear()
-        self._status.down_since = None
-        self._status.retries = 0
         self._status.last_error = None
         self._apply(self._l1.connection_made())
         for d in self._dilated_waiters:
@@ -270,8 +267,6 @@ class DilationManager:
     def _went_down(self) -> None:
         self._down_generation = self._l1.generation
         self._redial_event(self._redial.disconnected)
-        self._status.down_since = self._redial.down_since
-        self._status.retries = 0
 
     def _redial_event(self, event: Callable[[float], list[R.RedialAction]]) -> None:
         if self._failure is not None:
@@ -279,7 +274,6 @@ class DilationManager:
         for action in event(self._reactor.seconds()):
             match action:
                 case R.Retry(attempt):
-                    self._status.retries = attempt
                     self._retry(attempt)
                 case R.GiveUp():
                     self._give_up()
@@ -312,7 +306,7 @@ class DilationManager:
                 down_for=self._reactor.seconds() - (self._redial.down_since or 0.0),
                 retries=self._redial.retries,
                 generations=max(0, self._l1.generation - self._down_generation),
-                tried={desc: (n, why) for desc, (n, why) in self._tried.items()},
+                tried=dict(self._tried),
                 relays=relays,
                 mailbox_connected=bool(getattr(self._w, "mailbox_connected", True)),
                 first_connection=not self._dilated.called,
@@ -558,6 +552,8 @@ class DilationManager:
         s.generation = self._l1.generation
         s.state = self._l1.state
         s.subchannels = self._table.status().names
+        s.down_since = self._redial.down_since
+        s.retries = self._redial.retries
         if self._on_status is not None:
             self._on_status(DilationStatus(**vars(s)))
 

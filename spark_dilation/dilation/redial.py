@@ -99,7 +99,6 @@ class RedialPolicy:
         if self.state == "UP":
             self.state = "WAITING"
             self.down_since = now
-            self.retries = 0
         return []
 
     def attempting(self, now: float) -> list[RedialAction]:
@@ -129,6 +128,7 @@ class RedialPolicy:
         if self.state != "GAVE_UP":
             self.state = "UP"
             self.down_since = None
+            self.retries = 0
             self._retry_at = self._attempt_deadline = None
         return []
 
