@@ -3,8 +3,9 @@
 Each service's command line is taken from the compose file, its host names
 become 127.0.0.1 and its ports free local ones, and it runs as a plain
 process from this venv (what the Dockerfile installs). The test then checks
-that they talk: each worker registers with its own master, and the mailbox
-and relay named in the services' environment carry a dataset.
+that they talk: each worker registers with its own master, the mailbox
+and relay named in the services' environment carry a dataset, and JupyterLab
+serves the mounted notebooks and runs a kernel.
 """
 
 from __future__ import annotations
@@ -18,6 +19,7 @@ import subprocess
 import sys
 import time
 import urllib.request
+import uuid
 from collections.abc import Iterator
 from pathlib import Path
 
@@ -64,6 +66,7 @@ class Remap:
     def command(self, name: str, service: dict) -> list[str]:
         me = service.get("hostname", name)
         args = list(service["command"])
+        mounts = volumes(service)
         out: list[str] = []
         for i, arg in enumerate(args):
             before = args[i - 1] if i else ""
@@ -71,6 +74,8 @@ class Remap:
                 out.append(str(self.port(me, int(arg))))
             elif before in HOST_FLAGS:
                 out.append("127.0.0.1")
+            elif arg in mounts:
+                out.append(str(mounts[arg]))
             else:
                 out.append(self.text(arg))
         # The image's programs are this venv's.
@@ -83,6 +88,52 @@ class Remap:
         return env
 
 
+def volumes(service: dict) -> dict[str, Path]:
+    """Container paths of the service's bind mounts -> the repository's folders."""
+    mounts = {}
+    for volume in service.get("volumes") or []:
+        source, target = volume.split(":")[:2]
+        mounts[target] = (ROOT / source).resolve()
+    return mounts
+
+
+def start_service(name: str, service: dict, remap: Remap, logs: Path) -> subprocess.Popen:
+    """The service's command as a local process (its own session, so stop() gets it all)."""
+    env = {
+        **os.environ,
+        **remap.environment(service),
+        "PATH": f"{BIN}{os.pathsep}{os.environ['PATH']}",
+        "SPARK_LOCAL_IP": "127.0.0.1",
+        "SPARK_WORKER_DIR": str(logs / f"{name}-work"),
+        "SPARK_LOG_DIR": str(logs),
+        # Jupyter's runtime files, settings and IPython profile in the test's
+        # folder, not in this user's home (and no user settings leak in).
+        "JUPYTER_RUNTIME_DIR": str(logs / f"{name}-runtime"),
+        "JUPYTER_CONFIG_DIR": str(logs / f"{name}-config"),
+        "IPYTHONDIR": str(logs / f"{name}-ipython"),
+    }
+    with open(logs / f"{name}.log", "wb") as log:
+        return subprocess.Popen(
+            remap.command(name, service),
+            env=env,
+            stdout=log,
+            stderr=subprocess.STDOUT,
+            start_new_session=True,
+        )
+
+
+def stop(procs: list[subprocess.Popen]) -> None:
+    for proc in procs:
+        if proc.poll() is None:
+            os.killpg(proc.pid, signal.SIGTERM)
+    for proc in procs:
+        try:
+            proc.wait(30)
+        except subprocess.TimeoutExpired:
+            os.killpg(proc.pid, signal.SIGKILL)
+            proc.wait()
+
+
 @pytest.fixture(scope="module")
 def services(tmp_path_factory) -> Iterator[tuple[dict, Remap, dict[str, subprocess.Popen]]]:
     spec = compose()
@@ -92,34 +143,11 @@ def services(tmp_path_factory) -> Iterator[tuple[dict, Remap, dict[str, subproce
     try:
         for name, service in spec["services"].items():
             if name == "jupyter":
-                continue  # see test_the_jupyter_service_serves_the_tested_notebooks
-            env = {
-                **os.environ,
-                **remap.environment(service),
-                "PATH": f"{BIN}{os.pathsep}{os.environ['PATH']}",
-                "SPARK_LOCAL_IP": "127.0.0.1",
-                "SPARK_WORKER_DIR": str(logs / f"{name}-work"),
-                "SPARK_LOG_DIR": str(logs),
-            }
-            with open(logs / f"{name}.log", "wb") as log:
-                procs[name] = subprocess.Popen(
-                    remap.command(name, service),
-                    env=env,
-                    stdout=log,
-                    stderr=subprocess.STDOUT,
-                    start_new_session=True,
-                )
+                continue  # its own test starts it: it needs none of the others to serve
+            procs[name] = start_service(name, service, remap, logs)
         yield spec, remap, procs
     finally:
-        for proc in procs.values():
-            if proc.poll() is None:
-                os.killpg(proc.pid, signal.SIGTERM)
-        for proc in procs.values():
-            try:
-                proc.wait(30)
-            except subprocess.TimeoutExpired:
-                os.killpg(proc.pid, signal.SIGKILL)
-                proc.wait()
+        stop(list(procs.values()))
 
 
 def master_state(port: int) -> dict | None:
@@ -226,14 +254,153 @@ def test_cluster_b_receives_a_dataset_through_the_wormhole_service(services, tmp
     assert got.to_pylist() == table.to_pylist()
 
 
-def test_the_jupyter_service_serves_the_tested_notebooks():
-    # No JupyterLab here (the Dockerfile installs it); the notebooks it mounts are
-    # the ones tests/test_notebooks.py runs in real kernels.
-    jupyter = compose()["services"]["jupyter"]
-    command = jupyter["command"]
-    assert command[:2] == ["jupyter", "lab"]
-    folder = command[command.index("--notebook-dir") + 1]
-    assert f"./notebooks:{folder}" in jupyter["volumes"]
+class Jupyter:
+    """The jupyter service's REST API and kernel WebSocket, as a browser uses them.
+
+    The compose file sets an empty token (no login), so requests carry no
+    token; POST and DELETE carry the XSRF cookie and header, as JupyterLab's
+    own pages do.
+    """
+
+    def __init__(self, port: int) -> None:
+        self.base = f"127.0.0.1:{port}"
+        self.xsrf = ""
+
+    def call(self, method: str, path: str, body: dict | None = None) -> dict | None:
+        request = urllib.request.Request(
+            f"http://{self.base}{path}",
+            data=None if body is None else json.dumps(body).encode(),
+            method=method,
+            headers={"X-XSRFToken": self.xsrf, "Cookie": f"_xsrf={self.xsrf}"},
+        )
+        with urllib.request.urlopen(request, timeout=30) as r:
+            data = r.read()
+        return json.loads(data) if data else None
+
+    def xsrf_cookie(self) -> None:
+        """Any page sets the _xsrf cookie; the lab page does."""
+        with urllib.request.urlopen(f"http://{self.base}/lab", timeout=30) as r:
+            cookies = r.headers.get_all("Set-Cookie") or []
+        found = [m[1] for c in cookies if (m := re.search(r"_xsrf=([^;]+)", c))]
+        assert found, cookies
+        self.xsrf = found[0]
+
+    def execute(self, kernel_id: str, code: str) -> tuple[str, dict]:
+        """Run ``code`` over the kernel's WebSocket: (its stdout, the execute_reply content)."""
+        import websocket  # websocket-client, a dependency of jupyter_server
+
+        session = uuid.uuid4().hex
+        ws = websocket.create_connection(
+            f"ws://{self.base}/api/kernels/{kernel_id}/channels?session_id={session}",
+            timeout=STARTUP,
+        )
+        try:
+            msg_id = uuid.uuid4().hex
+            ws.send(
+                json.dumps(
+                    {
+                        "header": {
+                            "msg_id": msg_id,
+                            "msg_type": "execute_request",
+                            "session": session,
+                            "username": "test",
+                            "version": "5.3",
+                        },
+                        "parent_header": {},
+                        "metadata": {},
+                        "content": {"code": code, "silent": False, "allow_stdin": False},
+                        "channel": "shell",
+                        "buffers": [],
+                    }
+                )
+            )
+            stdout, reply, idle = "", None, False
+            while reply is None or not idle:  # the reply and iopub's idle may come in any order
+                msg = json.loads(ws.recv())
+                if msg["parent_header"].get("msg_id") != msg_id:
+                    continue
+                kind = msg["msg_type"]
+                if kind == "stream" and msg["content"]["name"] == "stdout":
+                    stdout += msg["content"]["text"]
+                elif kind == "error":
+                    raise AssertionError("\n".join(msg["content"]["traceback"]))
+                elif kind == "execute_reply":
+                    reply = msg["content"]
+                elif kind == "status" and msg["content"]["execution_state"] == "idle":
+                    idle = True
+            return stdout, reply
+        finally:
+            ws.close()
+
+
+def alive(pid: int) -> bool:
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    return True
+
+
+def test_the_jupyter_service_serves_the_tested_notebooks(tmp_path):
+    """The jupyter service's command, run here: it serves the mounted notebooks
+    (the ones tests/test_notebooks.py runs) and a kernel that has spark_dilation."""
+    spec = compose()
+    jupyter = spec["services"]["jupyter"]
+    assert jupyter["command"][:2] == ["jupyter", "lab"]
     assert jupyter["environment"]["SPARK_MASTER"] == "spark://spark-a-master:7077"
-    assert "jupyterlab" in (ROOT / "Dockerfile").read_text()
-    assert (ROOT / "notebooks" / "send_a_dataset.ipynb").exists()
+    folder = jupyter["command"][jupyter["command"].index("--notebook-dir") + 1]
+    assert volumes(jupyter)[folder] == ROOT / "notebooks"
+    # The image runs the JupyterLab this test runs.
+    pinned = re.search(r'"(jupyterlab==[\d.]+)"', (ROOT / "pyproject.toml").read_text())
+    assert pinned and pinned[1] in (ROOT / "Dockerfile").read_text()
+    remap = Remap()
+    proc = start_service("jupyter", jupyter, remap, tmp_path)
+    api = Jupyter(remap.port("jupyter", 8888))
+    kernel_pid = None
+    try:
+        deadline = time.monotonic() + STARTUP
+        while True:
+            assert proc.poll() is None, (tmp_path / "jupyter.log").read_text()[-3000:]
+            try:
+                status = api.call("GET", "/api/status")
+                break
+            except OSError:
+                assert time.monotonic() < deadline, "JupyterLab never answered"
+                time.sleep(0.5)
+        assert status is not None and "started" in status
+        specs = api.call("GET", "/api/kernelspecs")
+        assert specs is not None
+        for name in ("send_a_dataset.ipynb", "receive_a_dataset.ipynb"):
+            used = json.loads((ROOT / "notebooks" / name).read_text())["metadata"]["kernelspec"]
+            assert used["name"] in specs["kernelspecs"], (name, specs)
+        # The root is the mounted folder: what the notebooks folder holds.
+        listing = api.call("GET", "/api/contents/")
+        assert listing is not None
+        names = {item["name"] for item in listing["content"]}
+        assert {"send_a_dataset.ipynb", "receive_a_dataset.ipynb"} <= names, names
+
+        api.xsrf_cookie()
+        kernel = api.call("POST", "/api/kernels", {"name": "python3"})
+        assert kernel is not None
+        stdout, reply = api.execute(
+            kernel["id"],
+            "import os, spark_dilation\n"
+            "print(spark_dilation.__version__, os.getpid(), os.environ['SPARK_DILATION_MAILBOX'])",
+        )
+        assert reply["status"] == "ok", reply
+        version, pid, mailbox = stdout.split()
+        kernel_pid = int(pid)
+        assert version == spark_dilation.__version__
+        # The service's environment reached the kernel (the mailbox, remapped here).
+        assert mailbox == remap.environment(jupyter)["SPARK_DILATION_MAILBOX"]
+        api.call("DELETE", f"/api/kernels/{kernel['id']}")
+        kernels = api.call("GET", "/api/kernels")
+        assert kernels == [], kernels
+        # A clean stop: the server's own shutdown, then the process exits by itself.
+        api.call("POST", "/api/shutdown")
+        assert proc.wait(STARTUP) == 0, (tmp_path / "jupyter.log").read_text()[-3000:]
+        assert not alive(kernel_pid)
+    finally:
+        stop([proc])
+        if kernel_pid is not None and alive(kernel_pid):
+            os.kill(kernel_pid, signal.SIGKILL)  # the kernel runs in a session of its own
