@@ -4,7 +4,8 @@ Four modes, picked from the command line and the terminal:
 
 * ``bar``: a live ``tqdm`` bar on a terminal's stderr (rows or bytes, rate,
   ETA when the total is known, path and reconnects in the postfix), with a
-  line for each connection path change and each reconnect;
+  line for each connection path change, each lost connection and each
+  reconnect;
 * ``plain``: stderr is not a terminal (a log file, a CI job): only those
   event lines and the final summary, no carriage returns;
 * ``quiet`` (``--quiet``): only the code banner, the result and errors;
@@ -51,6 +52,7 @@ class Reporter:
         self._lock = threading.Lock()
         self._path = "unknown"
         self._reconnects = 0
+        self._down = False  # every connection is down and a reconnect is under way
         self._last_json = 0.0
 
     # --- events ----------------------------------------------------------------------
@@ -83,14 +85,27 @@ class Reporter:
 
     def progress(self, p: Progress) -> None:
         """One snapshot: path changes and reconnects become lines, the rest the bar."""
-        if p.path != "unknown" and p.path != self._path:
-            self._path = p.path
-            self.say(f"connected: {p.path} ({p.connections} connection(s))")
-            self.emit("connected", path=p.path, connections=p.connections)
-        if p.reconnects > self._reconnects:
-            self._reconnects = p.reconnects
-            self.say(f"connection dropped and came back: {p.reconnects} reconnect(s) so far")
-            self.emit("reconnect", reconnects=p.reconnects)
+        if p.path == "unknown":
+            # No live connection. The reconnect count (Dilation generations) rises
+            # as soon as a reconnect starts, so it is announced only once a path
+            # is back; until then people hear that it is being tried. (A path
+            # alone going unknown is no sign: connections also end with the transfer.)
+            if not self._down and p.reconnects > self._reconnects:
+                self._down = True
+                self.say("connection lost: reconnecting..")
+        else:
+            self._down = False
+            if p.path != self._path:
+                self._path = p.path
+                self.say(f"connected: {p.path} ({p.connections} connection(s))")
+                self.emit("connected", path=p.path, connections=p.connections)
+            if p.reconnects > self._reconnects:
+                self._reconnects = p.reconnects
+                self.say(
+                    f"connection dropped and came back ({p.path}): "
+                    f"{p.reconnects} reconnect(s) so far"
+                )
+                self.emit("reconnect", reconnects=p.reconnects, path=p.path)
         if self.mode == "json":
             now = time.monotonic()
             if p.done or now - self._last_json >= 1.0:
@@ -125,7 +140,7 @@ class Reporter:
                 postfix = [_size(p.bytes), f"{_size(p.bytes_per_s)}/s"]
             else:
                 postfix = [f"{p.rows:,} rows"] if p.rows else []
-            postfix.append(p.path)
+            postfix.append("reconnecting" if self._down else p.path)
             postfix.append(f"{p.reconnects} reconnect(s)")
             bar.set_postfix_str(", ".join(postfix), refresh=False)
             bar.refresh()

@@ -337,7 +337,11 @@ def test_progress_lines_and_json_events() -> None:
         return [
             Progress(rows=0, bytes=0, path="unknown", **base),
             Progress(rows=40, bytes=4000, path="direct", **base),
+            # Down: the new generation counts before any path is back.
+            Progress(rows=40, bytes=4000, path="unknown", reconnects=1, **base),
             Progress(rows=60, bytes=6000, path="direct", reconnects=1, **base),
+            # Connections that end with the transfer are no reconnect.
+            Progress(rows=100, bytes=9000, path="unknown", **base),
             Progress(rows=100, bytes=9000, path="direct+relay", reconnects=1, done=True, **base),
         ]
 
@@ -347,7 +351,8 @@ def test_progress_lines_and_json_events() -> None:
         plain.progress(p)
     assert err.getvalue().splitlines() == [
         "connected: direct (2 connection(s))",
-        "connection dropped and came back: 1 reconnect(s) so far",
+        "connection lost: reconnecting..",
+        "connection dropped and came back (direct): 1 reconnect(s) so far",
         "connected: direct+relay (2 connection(s))",
     ]
     assert out.getvalue() == ""
@@ -361,6 +366,7 @@ def test_progress_lines_and_json_events() -> None:
         "progress", "connected", "reconnect", "connected", "progress",
     ]  # fmt: skip
     assert events[0]["eta_seconds"] is None
+    assert events[2] == {"event": "reconnect", "reconnects": 1, "path": "direct"}
     assert events[-1]["done"] and events[-1]["rows"] == 100 and events[-1]["eta_seconds"] == 0
     assert err.getvalue() == ""
 
@@ -368,7 +374,9 @@ def test_progress_lines_and_json_events() -> None:
     for p in snapshots():
         bar.progress(p)
     drawn = err.getvalue()
-    assert "connection dropped and came back: 1 reconnect(s) so far" in drawn
+    assert "connection lost: reconnecting.." in drawn
+    assert "reconnecting, 1 reconnect(s)" in drawn  # the bar while no path is up
+    assert "connection dropped and came back (direct): 1 reconnect(s) so far" in drawn
     final = drawn.split("\r")[-1]
     assert "sending: 100%" in final and "100/100" in final, drawn
     assert "direct+relay, 1 reconnect(s)" in final, drawn

@@ -1,0 +1,144 @@
+"""The CLI's progress output on a real reconnect: the relay dies mid-transfer.
+
+``spark-dilation send --json`` and ``spark-dilation receive`` (plain progress:
+its stderr is a pipe) run as processes over the relay only (``--no-listen``
+on both sides), through a transit relay in a process of its own. Once rows
+are arriving the test stops the relay process, kills it and starts it again
+on the same port; Dilation reconnects and the dataset arrives intact. What
+the two commands printed must say so: a ``reconnect`` JSON event and count
+with the path on the sender, a human reconnect line on the receiver.
+
+Nothing depends on how fast anything happens: the relay is frozen (SIGSTOP)
+as soon as the receiver has staged its first bytes, so no more data can move
+until it is killed, and the test checks that rows were still to come.
+"""
+
+from __future__ import annotations
+
+import os
+import re
+import signal
+import time
+from collections.abc import Callable, Iterator
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+import pyarrow as pa
+import pyarrow.parquet as pq
+import pytest
+from test_cli import TIMEOUT, Running, assert_ok
+from test_cli_dataset import json_lines, procs, receive_cmd, send_cmd  # noqa: F401 (procs)
+from test_dilation_redial import Restartable, relay_url
+
+PARTS = 4
+ROWS = 200_000  # per file: about 7 MB, so one partition is far from done at its first bytes
+
+
+@pytest.fixture
+def relay() -> Iterator[Restartable]:
+    """A transit relay process of its own, to kill and restart on the same port."""
+    r = Restartable()
+    r.start()
+    yield r
+    r.kill()
+
+
+def source(folder: Path) -> list[pa.Table]:
+    """PARTS Parquet files (one partition each) of incompressible rows."""
+    folder.mkdir()
+    rng = np.random.default_rng(7)
+    tables = []
+    for part in range(PARTS):
+        ids = np.arange(part * ROWS, (part + 1) * ROWS, dtype=np.int64)
+        table = pa.table(
+            {
+                "id": ids,
+                "x": rng.random(ROWS),
+                "s": pa.array(rng.integers(0, 2**63, ROWS).astype(str)),
+            }
+        )
+        pq.write_table(table, folder / f"part-{part:05d}.parquet")
+        tables.append(table)
+    return tables
+
+
+def wait_for(what: str, ready: Callable[[], bool], *running: Running) -> None:
+    """Poll ``ready`` until true; fail if a command exits first or after TIMEOUT (a hang guard)."""
+    deadline = time.monotonic() + TIMEOUT
+    while not ready():
+        for r in running:
+            assert r.proc.poll() is None, f"{r.args[3]} exited before {what}:\n{r.finish()}"
+        assert time.monotonic() < deadline, f"no {what} within {TIMEOUT:g} s"
+        time.sleep(0.01)
+
+
+def staged(root: Path, pattern: str) -> list[Path]:
+    return list(root.glob(f"spark-dilation/*/lane-*/{pattern}"))
+
+
+def test_relay_killed_mid_transfer_shows_reconnects_in_json_and_plain_output(
+    mailbox_url: str,
+    relay: Restartable,
+    procs: Callable[..., Running],  # noqa: F811 (the fixture imported above)
+    tmp_path: Path,
+    monkeypatch: Any,
+) -> None:
+    tables = source(tmp_path / "src")
+    # The receiver stages partitions under $TMPDIR/spark-dilation: here, where the test looks.
+    tmp = tmp_path / "tmp"
+    tmp.mkdir()
+    monkeypatch.setenv("TMPDIR", str(tmp))
+    relay_hint = relay_url(relay)
+    sender = procs(
+        send_cmd(mailbox_url, relay_hint, "--no-listen", "--json", str(tmp_path / "src"))
+    )
+    code = sender.wait_for_code()
+    receiver = procs(
+        receive_cmd(mailbox_url, relay_hint, "--no-listen", code, "-o", str(tmp_path / "out"))
+    )
+
+    # Rows are arriving: freeze the relay at once, so nothing more moves until it dies.
+    wait_for(
+        "staged bytes",
+        lambda: any(p.stat().st_size > 0 for p in staged(tmp, ".*.partial")),
+        sender,
+        receiver,
+    )
+    os.killpg(relay.proc.pid, signal.SIGSTOP)
+    complete = staged(tmp, "p*.arrow")
+    assert len(complete) < PARTS, "every partition had arrived: the kill would prove nothing"
+    relay.kill()  # SIGKILL: its connections are reset, as in a crash
+    relay.start()  # the same port: the peers' redials find it again
+
+    sent, received = sender.finish(), receiver.finish()
+    assert_ok(sent)
+    assert_ok(received)
+
+    # (a) the dataset is exact, partition by partition.
+    files = sorted((tmp_path / "out").iterdir())
+    assert [f.name for f in files] == [f"part-{i:05d}.parquet" for i in range(PARTS)]
+    for table, file in zip(tables, files, strict=True):
+        assert pq.read_table(file).equals(table), file
+
+    # (b) the sender's --json lines: a reconnect event with its count and path,
+    # progress snapshots carrying them, and the final report.
+    events = json_lines(sent.stdout)
+    reconnects = [e for e in events if e["event"] == "reconnect"]
+    assert reconnects, sent.describe()
+    assert reconnects[-1]["reconnects"] >= 1 and reconnects[-1]["path"] == "relay", reconnects
+    progress = [e for e in events if e["event"] == "progress"]
+    assert progress[-1]["done"] and progress[-1]["reconnects"] >= 1, progress[-1]
+    assert progress[-1]["path"] == "relay", progress[-1]
+    done = events[-1]
+    assert done["event"] == "done" and done["rows"] == PARTS * ROWS, sent.describe()
+    assert done["reconnects"] >= 1 and done["path"] == "relay", done
+
+    # ... and the receiver's human progress (stderr is not a terminal: event lines only).
+    came_back = [
+        line
+        for line in received.stderr.splitlines()
+        if line.startswith("connection dropped and came back (relay): ")
+    ]
+    assert came_back, received.describe()
+    assert re.search(r": [1-9]\d* reconnect\(s\) so far$", came_back[-1]), came_back
