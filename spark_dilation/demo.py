@@ -17,8 +17,6 @@ crochet thread.
 from __future__ import annotations
 
 import json
-import os
-import subprocess
 import sys
 import tempfile
 import time
@@ -29,6 +27,7 @@ import crochet
 from twisted.internet import defer
 
 from .errors import DilationError
+from .testing.peer_process import PeerError, PeerProcess
 from .transit import filetransfer, offers
 from .transit.connector import TransitConnector
 from .wormhole import Wormhole
@@ -37,7 +36,6 @@ from .wormhole.blocking import ensure_reactor
 ROWS = 1_000_000
 FILE_ROWS = 10_000
 PEER_TIMEOUT = 900.0
-REPORT_PREFIX = "spark-dilation transfer report: "
 
 
 def _reactor() -> Any:
@@ -164,74 +162,28 @@ def run(out: TextIO = sys.stdout, *, spark: bool = True, rows: int = ROWS) -> in
         _stop_servers(servers)
 
 
-class _Peer:
+def _peer(side: str, code: str, servers: Any, logs: Path, *args: str) -> PeerProcess:
     """One Spark application (``spark_peer``); its Spark logs go to a file."""
+    return PeerProcess(
+        side, code, servers.mailbox_url, servers.relay_url, logs / f"{side}.log",
+        "--digest", "--option", f"peer_timeout={PEER_TIMEOUT:g}", *args,
+        # Loopback, like the embedded servers; Spark's Python workers run this venv.
+        env={"PYSPARK_PYTHON": sys.executable, "SPARK_LOCAL_IP": "127.0.0.1"},
+    )  # fmt: skip
 
-    def __init__(self, side: str, code: str, servers: Any, logs: Path, *args: str) -> None:
-        self.side = side
-        self.log = logs / f"{side}.log"
-        env = dict(os.environ, PYSPARK_PYTHON=sys.executable, SPARK_LOCAL_IP="127.0.0.1")
-        with self.log.open("w") as log:
-            self.proc = subprocess.Popen(
-                [
-                    sys.executable,
-                    "-m",
-                    "spark_dilation.testing.spark_peer",
-                    side,
-                    "--code",
-                    code,
-                    "--mailbox",
-                    servers.mailbox_url,
-                    "--relay",
-                    servers.relay_url,
-                    "--digest",
-                    "--option",
-                    f"peer_timeout={PEER_TIMEOUT:g}",
-                    *args,
-                ],
-                stdin=subprocess.DEVNULL,
-                stdout=subprocess.PIPE,
-                stderr=log,
-                env=env,
-            )
 
-    def result(self, timeout: float) -> dict[str, Any]:
-        try:
-            stdout, _ = self.proc.communicate(timeout=timeout)
-        except subprocess.TimeoutExpired:
-            self.kill()
-            raise DilationError(
-                f"demo failed: the Spark {self.side}er did not finish within {timeout:g} s "
-                f"(its log: {self.log})"
-            ) from None
-        lines = [line for line in stdout.decode().splitlines() if line.startswith("{")]
-        if not lines:
-            raise DilationError(
-                f"demo failed: the Spark {self.side}er exited ({self.proc.returncode}) without "
-                f"a result (its log: {self.log})"
-            )
-        result = json.loads(lines[-1])
-        if "error" in result or self.proc.returncode != 0:
-            raise DilationError(
-                f"demo failed: the Spark {self.side}er: {result.get('error', 'failed')} "
-                f"(its log: {self.log})"
-            )
-        return result
-
-    def kill(self) -> None:
-        if self.proc.poll() is None:
-            self.proc.kill()
-            self.proc.wait()
-
-    def report(self) -> dict[str, Any]:
-        lines = [
-            line
-            for line in self.log.read_text(errors="replace").splitlines()
-            if line.startswith(REPORT_PREFIX)
-        ]
-        if not lines:
-            raise DilationError(f"demo failed: the sender logged no transfer report ({self.log})")
-        return json.loads(lines[-1][len(REPORT_PREFIX) :])
+def _result(peer: PeerProcess, timeout: float) -> dict[str, Any]:
+    """The peer's result, or the demo's error naming its log."""
+    try:
+        result = peer.result(timeout)
+    except PeerError as e:
+        raise DilationError(f"demo failed: {e}") from None
+    if "error" in result or peer.proc.returncode != 0:
+        raise DilationError(
+            f"demo failed: the Spark {peer.side}er: {result.get('error', 'failed')} "
+            f"(its log: {peer.log})"
+        )
+    return result
 
 
 def _spark_to_spark(out: TextIO, servers: Any, rows: int) -> None:
@@ -245,15 +197,18 @@ def _spark_to_spark(out: TextIO, servers: Any, rows: int) -> None:
     out.flush()
     with tempfile.TemporaryDirectory(prefix="spark-dilation-demo-") as tmp:
         staging = f"staging_dir={Path(tmp) / 'staging'}"
-        receiver = _Peer("receive", code, servers, logs, "--no-show", "--option", staging)
-        sender = _Peer("send", code, servers, logs, "--rows", str(rows), "--partitions", "4")
+        receiver = _peer("receive", code, servers, logs, "--no-show", "--option", staging)
+        sender = _peer("send", code, servers, logs, "--rows", str(rows), "--partitions", "4")
         try:
-            sent = sender.result(PEER_TIMEOUT + 120)
-            got = receiver.result(PEER_TIMEOUT + 120)
+            sent = _result(sender, PEER_TIMEOUT + 120)
+            got = _result(receiver, PEER_TIMEOUT + 120)
         finally:
             sender.kill()
             receiver.kill()
-    report = sender.report()
+    try:
+        report = sender.report()
+    except PeerError as e:
+        raise DilationError(f"demo failed: {e}") from None
     problems = []
     if got["count"] != rows:
         problems.append(f"the receiver counted {got['count']:,} rows, not {rows:,}")

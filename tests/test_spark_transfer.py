@@ -22,51 +22,16 @@ import pyarrow.parquet as pq
 import pytest
 
 from spark_dilation.testing import TcpProxy
+from spark_dilation.testing.peer_process import PeerProcess
 from spark_dilation.transfer import receive_dataset, send_in_background
 from spark_dilation.transfer.sender import LaneNotStartedError
 
-PEER = [sys.executable, "-m", "spark_dilation.testing.spark_peer"]
-REPORT = "spark-dilation transfer report: "
 
-
-class Side:
+def peer(side: str, code: str, servers: Any, tmp: Path, *args: str) -> PeerProcess:
     """One spark_peer process; its stderr goes to a file (Spark is chatty)."""
-
-    def __init__(self, side: str, code: str, servers: Any, tmp: Path, *args: str) -> None:
-        self.stderr_path = tmp / f"{side}-{code}.stderr"
-        self.proc = subprocess.Popen(
-            [
-                *PEER,
-                side,
-                "--code",
-                code,
-                "--mailbox",
-                servers.mailbox_url,
-                "--relay",
-                servers.relay_url,
-                *args,
-            ],
-            stdout=subprocess.PIPE,
-            stderr=self.stderr_path.open("w"),
-        )
-
-    def result(self, timeout: float = 600) -> dict[str, Any]:
-        try:
-            out, _ = self.proc.communicate(timeout=timeout)
-        finally:
-            if self.proc.poll() is None:
-                self.proc.kill()
-        lines = [line for line in out.decode().splitlines() if line.startswith("{")]
-        assert lines, f"no result from {self.proc.args[3]}; stderr:\n{self.stderr()[-3000:]}"
-        return json.loads(lines[-1])
-
-    def stderr(self) -> str:
-        return self.stderr_path.read_text(errors="replace")
-
-    def report(self) -> dict[str, Any]:
-        lines = [line for line in self.stderr().splitlines() if line.startswith(REPORT)]
-        assert lines, "the writer's commit() logged no report"
-        return json.loads(lines[-1][len(REPORT) :])
+    return PeerProcess(
+        side, code, servers.mailbox_url, servers.relay_url, tmp / f"{side}-{code}.stderr", *args
+    )
 
 
 def read_parquet(path: Path | str) -> pa.Table:
@@ -92,11 +57,11 @@ def staging(tmp: Path) -> str:
 def test_spark_to_spark_all_types_exact(wormhole_servers: Any, tmp_path: Path) -> None:
     """1M rows of every common type and nulls; content, schema and nullability equal."""
     code = "11-spark-to-spark"
-    receiver = Side(
+    receiver = peer(
         "receive", code, wormhole_servers, tmp_path, "--out", str(tmp_path / "out"),
         "--option", staging(tmp_path),
     )  # fmt: skip
-    sender = Side(
+    sender = peer(
         "send", code, wormhole_servers, tmp_path, "--rows", "1000000", "--partitions", "4",
         "--expected", str(tmp_path / "expected"),
     )  # fmt: skip
@@ -117,11 +82,11 @@ def test_local_clusters_share_connections(wormhole_servers: Any, tmp_path: Path)
     """Two executors per side: fewer Dilation connections than partitions."""
     code = "12-local-cluster"
     cluster = "local-cluster[2,1,1024]"
-    receiver = Side(
+    receiver = peer(
         "receive", code, wormhole_servers, tmp_path, "--master", cluster, "--no-show",
         "--out", str(tmp_path / "out"), "--option", "lanes=2", "--option", staging(tmp_path),
     )  # fmt: skip
-    sender = Side(
+    sender = peer(
         "send", code, wormhole_servers, tmp_path, "--master", cluster, "--rows", "200000",
         "--partitions", "8", "--expected", str(tmp_path / "expected"),
     )  # fmt: skip
@@ -187,7 +152,7 @@ def test_python_table_and_parquet_into_spark(spark: Any, wormhole_servers: Any, 
 
 def test_spark_writer_into_python_parquet(wormhole_servers: Any, tmp_path: Path) -> None:
     code = "13-spark-to-python"
-    sender = Side(
+    sender = peer(
         "send", code, wormhole_servers, tmp_path, "--rows", "100000", "--partitions", "3",
         "--expected", str(tmp_path / "expected"),
     )  # fmt: skip
@@ -272,7 +237,7 @@ def test_sender_task_fails_mid_partition_and_is_retried(
     wormhole_servers: Any, tmp_path: Path
 ) -> None:
     code = "15-sender-retry"
-    sender = Side(
+    sender = peer(
         "send", code, wormhole_servers, tmp_path, "--master", "local[2,2]", "--rows", "100000",
         "--expected", str(tmp_path / "expected"), "--option", "test_fail=sender-mid-partition:2",
     )  # fmt: skip
@@ -291,7 +256,7 @@ def _python_sender(servers: Any, tmp: Path, rows: int, **extra: Any) -> tuple[pa
 
 def test_lane_fails_before_emitting_rows_and_heals(wormhole_servers: Any, tmp_path: Path):
     table, (sender, thread, box) = _python_sender(wormhole_servers, tmp_path, 200_000)
-    receiver = Side(
+    receiver = peer(
         "receive", sender.code, wormhole_servers, tmp_path, "--master", "local[2,2]",
         "--no-show", "--out", str(tmp_path / "out"), "--option", staging(tmp_path),
         "--option", "test_fail=lane-before-rows",
@@ -308,7 +273,7 @@ def test_lane_that_fails_after_emitting_rows_cannot_heal(wormhole_servers: Any, 
     _table, (sender, thread, box) = _python_sender(
         wormhole_servers, tmp_path, 200_000, lane_start_timeout=60
     )
-    receiver = Side(
+    receiver = peer(
         "receive", sender.code, wormhole_servers, tmp_path, "--master", "local[2,2]",
         "--no-show", "--out", str(tmp_path / "out"), "--option", staging(tmp_path),
         "--option", "test_fail=lane-after-rows",
