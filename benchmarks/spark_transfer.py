@@ -32,6 +32,7 @@ from __future__ import annotations
 import argparse
 import json
 import os
+import shutil
 import statistics
 import subprocess
 import sys
@@ -98,7 +99,8 @@ class ProcSampler:
             cpu = (int(fields[11]) + int(fields[12])) / self.TICK
             stats[pid] = (cpu, int(fields[21]) * self.PAGE, cmd)
         for pid, (cpu, rss, cmd) in stats.items():
-            if "python" not in cmd.split(" ")[0] or pid in self.roots:
+            exe = cmd.split(" ")[0]
+            if ("python" not in exe and not exe.endswith("java")) or pid in self.roots:
                 continue
             side = self.side.get(pid)
             if side is None:
@@ -119,7 +121,14 @@ class ProcSampler:
             self.rss[pid] = max(self.rss.get(pid, 0), rss)
 
     def cpu_of(self, side: str) -> float:
-        return sum(c for pid, c in self.cpu.items() if self.side[pid] == side)
+        """CPU seconds of one side's Python processes (the JVM is not ours to tune)."""
+        return sum(
+            c for pid, c in self.cpu.items()
+            if self.side[pid] == side and not self._is_jvm(pid)
+        )  # fmt: skip
+
+    def _is_jvm(self, pid: int) -> bool:
+        return self.cmd[pid].split(" ")[0].endswith("java")
 
     def breakdown(self, side: str) -> dict[str, float]:
         """CPU seconds by kind of process: task workers, planner workers, lane hosts."""
@@ -129,7 +138,8 @@ class ProcSampler:
                 continue
             cmd = self.cmd[pid]
             kind = (
-                "lanehost" if "lanehost" in cmd
+                "jvm" if self._is_jvm(pid)
+                else "lanehost" if "lanehost" in cmd
                 else "planner" if "plan_data_source" in cmd or "commit_data_source" in cmd
                 or "lookup_data_sources" in cmd or "write_into_data_source" in cmd
                 else "daemon+tasks"
@@ -138,7 +148,9 @@ class ProcSampler:
         return kinds
 
     def peak_rss_mb(self, side: str) -> float:
-        peaks = [r for pid, r in self.rss.items() if self.side[pid] == side]
+        peaks = [
+            r for pid, r in self.rss.items() if self.side[pid] == side and not self._is_jvm(pid)
+        ]  # fmt: skip
         return round(max(peaks, default=0) / 2**20, 1)
 
 
@@ -159,16 +171,16 @@ def run_transfer(args: argparse.Namespace, servers: Any, tmp: Path, n: int) -> d
     recv_err = tmp / f"recv-{n}.stderr"
     send_err = tmp / f"send-{n}.stderr"
     receiver = subprocess.Popen(
-        [*PEER, "receive", *common, "--no-show", "--option", f"lanes={args.lanes}",
+        [*PEER, "receive", *common, "--no-show", "--register", "--option", f"lanes={args.lanes}",
          "--option", f"staging_dir={tmp / 'staging'}", *_conf_args(args)],
-        stdout=subprocess.PIPE, stderr=recv_err.open("w"),
+        stdout=subprocess.PIPE, stderr=recv_err.open("w"), **_pinned(args, 1),
     )  # fmt: skip
     sampler.roots[receiver.pid] = "receive"
     sender = subprocess.Popen(
-        [*PEER, "send", *common, "--shape", "bench", "--rows", str(args.rows),
+        [*PEER, "send", *common, "--register", "--shape", "bench", "--rows", str(args.rows),
          "--partitions", str(args.partitions), "--option", f"compression={args.compression}",
          *_conf_args(args)],
-        stdout=subprocess.PIPE, stderr=send_err.open("w"),
+        stdout=subprocess.PIPE, stderr=send_err.open("w"), **_pinned(args, 0),
     )  # fmt: skip
     sampler.roots[sender.pid] = "send"
     sampler.start()
@@ -176,6 +188,10 @@ def run_transfer(args: argparse.Namespace, servers: Any, tmp: Path, n: int) -> d
     got = _json_line(receiver.communicate(timeout=3600)[0])
     sampler.stop()
     t0 = max(sent.get("t0", 0), got.get("t0", 0))
+    if args.logs:  # the peers' stderr (Spark's and the workers') outlives the temporary dir
+        Path(args.logs).mkdir(parents=True, exist_ok=True)
+        for f in (send_err, recv_err):
+            shutil.copy(f, Path(args.logs) / f.name)
     _print_procs(args, sampler, t0, tmp / "staging")
     if args.procs and "t_loaded" in got:
         print(f"receiver: load() returned at {got['t_loaded'] - t0:.1f} s", file=sys.stderr)
@@ -217,20 +233,34 @@ def run_ceiling(args: argparse.Namespace, servers: Any, tmp: Path, n: int) -> di
     proc = subprocess.Popen(
         [sys.executable, __file__, "_ceiling", "--rows", str(args.rows),
          "--partitions", str(args.partitions)],
-        stdout=subprocess.PIPE, stderr=subprocess.PIPE,
+        stdout=subprocess.PIPE, stderr=subprocess.PIPE, **_pinned(args, 0),
     )  # fmt: skip
     sampler = ProcSampler()
     sampler.roots[proc.pid] = "ceiling"
     sampler.start()
     stdout, stderr = proc.communicate(timeout=3600)
     sampler.stop()
-    _print_procs(args, sampler)
     result = _json_line(stdout)
+    t0 = result.get("t0", 0.0)
+    _print_procs(args, sampler, t0)
+    for line in stderr.decode().splitlines() if args.procs else ():
+        if line.startswith("ceiling "):  # the sink's task and commit times, from t0
+            what, times = line.split(": ")
+            spans = "..".join(f"{float(t) - t0:.1f}" for t in times.split(".."))
+            print(f"procs: {what} {spans} s", file=sys.stderr)
     if result.get("rows") != args.rows:
         raise RuntimeError(f"the counting sink saw {result}: {stderr.decode()[-2000:]}")
     return {"case": "ceiling", "rows": args.rows, "seconds": result["seconds"],
             "rows_per_s": round(args.rows / result["seconds"]),
             "cpu_s_by_process": sampler.breakdown("ceiling")}  # fmt: skip
+
+
+def _pinned(args: argparse.Namespace, cpu: int) -> dict[str, Any]:
+    """With ``--pin``: Popen arguments that bind a process tree (the JVM and its
+    Python workers inherit the affinity) to one core, to model one machine each."""
+    if not args.pin:
+        return {}
+    return {"preexec_fn": lambda: os.sched_setaffinity(0, {cpu})}
 
 
 def _conf_args(args: argparse.Namespace) -> list[str]:
@@ -266,12 +296,14 @@ def run_manual(args: argparse.Namespace, servers: Any, tmp: Path, n: int) -> dic
         [sys.executable, __file__, "_manual_receive", *common, "--go", str(go),
          "--dir", str(tmp / f"manual-in-{n}")],
         stdout=subprocess.PIPE, stderr=(tmp / f"mrecv-{n}.stderr").open("w"),
+        **_pinned(args, 1),
     )  # fmt: skip
     sender = subprocess.Popen(
         [sys.executable, __file__, "_manual_send", *common, "--go", str(go),
          "--dir", str(tmp / f"manual-out-{n}"), "--rows", str(args.rows),
          "--partitions", str(args.partitions)],
         stdout=subprocess.PIPE, stderr=(tmp / f"msend-{n}.stderr").open("w"),
+        **_pinned(args, 0),
     )  # fmt: skip
     sent = _json_line(sender.communicate(timeout=3600)[0])
     got = _json_line(receiver.communicate(timeout=3600)[0])
@@ -319,7 +351,13 @@ def _ceiling(argv: list[str]) -> None:
 
     class CountingWriter(DataSourceArrowWriter):
         def write(self, iterator: Any) -> Counted:
-            return Counted(sum(batch.num_rows for batch in iterator))
+            started = time.time()
+            rows = sum(batch.num_rows for batch in iterator)
+            print(f"ceiling task: {started:.3f}..{time.time():.3f}", file=sys.stderr)
+            return Counted(rows)
+
+        def commit(self, messages: Any) -> None:
+            print(f"ceiling commit: {time.time():.3f}", file=sys.stderr)
 
     class CountingSink(DataSource):
         @classmethod
@@ -332,10 +370,10 @@ def _ceiling(argv: list[str]) -> None:
     spark = _spark()
     spark.dataSource.register(CountingSink)
     df = generate(spark, a.rows, a.partitions, "bench")
-    t0 = time.monotonic()
+    t0, wall = time.monotonic(), time.time()
     df.write.format("countsink").mode("append").save()
     seconds = time.monotonic() - t0
-    print(json.dumps({"rows": a.rows, "seconds": round(seconds, 3)}), flush=True)
+    print(json.dumps({"rows": a.rows, "seconds": round(seconds, 3), "t0": wall}), flush=True)
 
 
 def _manual_args(argv: list[str]) -> argparse.Namespace:
@@ -399,6 +437,11 @@ def main() -> None:
     p.add_argument("--repeat", type=int, default=1)
     p.add_argument("--cases", default=",".join(CASES))
     p.add_argument("--procs", action="store_true", help="print CPU and RSS per Python process")
+    p.add_argument("--logs", metavar="DIR", help="keep each transfer's peer logs in DIR")
+    p.add_argument(
+        "--pin", action="store_true",
+        help="one core per side (sender and ceiling on CPU 0, receiver on CPU 1): two machines",
+    )  # fmt: skip
     p.add_argument(
         "--conf", action="append", default=[], metavar="KEY=VALUE",
         help="a Spark setting for every application of every case",

@@ -133,6 +133,11 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--digest", action="store_true", help="both: digest every row (see digest())")
     p.add_argument("--option", action="append", default=[], help="KEY=VALUE for format(dilation)")
     p.add_argument("--conf", action="append", default=[], help="KEY=VALUE for the SparkSession")
+    p.add_argument(
+        "--register", action="store_true",
+        help="register the source first (spark_dilation.register): the session's one-time "
+        "data source lookup then happens before t0, as for a sink registered by hand",
+    )  # fmt: skip
     args = p.parse_args(argv)
 
     options = dict(o.split("=", 1) for o in args.option)
@@ -141,6 +146,10 @@ def main(argv: list[str] | None = None) -> int:
         options["relay"] = args.relay
     conf = dict(c.split("=", 1) for c in args.conf)
     spark = session(args.master, f"spark-dilation-{args.side}", conf, remote=args.remote)
+    if args.register:
+        from spark_dilation import register
+
+        register(spark)
     started = time.monotonic()
     result: dict[str, Any] = {"side": args.side, "session": type(spark).__module__}
     if args.probe_option:

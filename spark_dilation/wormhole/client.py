@@ -10,12 +10,22 @@ from __future__ import annotations
 
 import itertools
 import logging
+import os
 from collections import deque
 from collections.abc import Callable
 from typing import Any
 from urllib.parse import urlparse
 
-from autobahn.twisted.websocket import WebSocketClientFactory, WebSocketClientProtocol
+# autobahn's NVX accelerators parse C declarations with cffi when imported: about
+# 50 ms of CPU in every process, and every Spark task worker that sends pays it.
+# Mailbox frames are small, so the pure-Python UTF-8 check costs nothing there.
+# An explicit AUTOBAHN_USE_NVX setting wins.
+os.environ.setdefault("AUTOBAHN_USE_NVX", "0")
+
+from autobahn.twisted.websocket import (
+    WebSocketClientFactory,
+    WebSocketClientProtocol,
+)
 from twisted.application.internet import ClientService, backoffPolicy
 from twisted.internet import defer, endpoints
 from twisted.internet.interfaces import IReactorTime
