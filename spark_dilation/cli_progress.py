@@ -85,15 +85,13 @@ class Reporter:
 
     def progress(self, p: Progress) -> None:
         """One snapshot: path changes and reconnects become lines, the rest the bar."""
-        if p.path == "unknown":
-            # No live connection. The reconnect count (Dilation generations) rises
-            # as soon as a reconnect starts, so it is announced only once a path
-            # is back; until then people hear that it is being tried. (A path
-            # alone going unknown is no sign: connections also end with the transfer.)
-            if not self._down and p.reconnects > self._reconnects:
+        if p.reconnecting and p.path == "unknown":
+            # Every connection is down and being re-established. (A path alone
+            # going unknown is no sign: connections also end with the transfer.)
+            if not self._down:
                 self._down = True
                 self.say("connection lost: reconnecting..")
-        else:
+        elif p.path != "unknown":
             self._down = False
             if p.path != self._path:
                 self._path = p.path

@@ -337,8 +337,9 @@ def test_progress_lines_and_json_events() -> None:
         return [
             Progress(rows=0, bytes=0, path="unknown", **base),
             Progress(rows=40, bytes=4000, path="direct", **base),
-            # Down: the new generation counts before any path is back.
-            Progress(rows=40, bytes=4000, path="unknown", reconnects=1, **base),
+            # Down, being re-established: the count rises only once a path is back.
+            Progress(rows=40, bytes=4000, path="unknown", reconnecting=True, **base),
+            Progress(rows=40, bytes=4000, path="unknown", reconnecting=True, **base),
             Progress(rows=60, bytes=6000, path="direct", reconnects=1, **base),
             # Connections that end with the transfer are no reconnect.
             Progress(rows=100, bytes=9000, path="unknown", **base),
@@ -375,7 +376,7 @@ def test_progress_lines_and_json_events() -> None:
         bar.progress(p)
     drawn = err.getvalue()
     assert "connection lost: reconnecting.." in drawn
-    assert "reconnecting, 1 reconnect(s)" in drawn  # the bar while no path is up
+    assert "reconnecting, 0 reconnect(s)" in drawn  # the bar while no path is up
     assert "connection dropped and came back (direct): 1 reconnect(s) so far" in drawn
     final = drawn.split("\r")[-1]
     assert "sending: 100%" in final and "100/100" in final, drawn

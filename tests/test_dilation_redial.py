@@ -118,6 +118,8 @@ async def test_relay_restart_heals_ours_to_ours(wormhole_servers, relay, sides, 
         assert_intact(snd, rcv)
         assert a.generation >= 2 and on_relay(a) and on_relay(b)  # healed, on the new relay
         assert a.dw.status().retries == 0 and a.dw.status().down_since is None
+        # One outage, one reconnect: generations that never connected are not counted.
+        assert a.dw.status().connections == b.dw.status().connections == 2
     finally:
         await close_all(a, b)
 

@@ -59,6 +59,9 @@ class DilationStatus:
     connection: str | None = None  # e.g. "direct tcp:10.0.0.2:41234" or "relay ..."
     subchannels: tuple[str, ...] = ()
     hints_sent: list[dict[str, Any]] = field(default_factory=list)
+    # L2 connections selected so far; ``connections - 1`` of them were reconnects
+    # (``generation`` also counts generations that never connected).
+    connections: int = 0
     # While down: since when (reactor time), our retries so far, the last
     # attempt's failure. ``error``: why we gave up (state ``FAILED``).
     down_since: float | None = None
@@ -236,6 +239,7 @@ class DilationManager:
         self._keepalive = K.Keepalive(self._interval, leader=p.conn.leader)
         self._apply_keepalive(self._keepalive.connection_made(now))
         self._status.connection = p.description
+        self._status.connections += 1
         self._redial_event(self._redial.connected)
         self._tried.clear()
         self._status.last_error = None

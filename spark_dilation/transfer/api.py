@@ -356,6 +356,7 @@ class _SendMeter:
             reconnects=stats.reconnects,
             path=combine_paths(stats.paths),
             done=done,
+            reconnecting=stats.reconnecting > 0,
         )
 
 
@@ -454,12 +455,13 @@ class _ReceiveMeter:
         self._rows: dict[Path, int] = {}
 
     def snapshot(self, done: bool = False) -> Progress:
-        rows = nbytes = partitions = connections = reconnects = 0
+        rows = nbytes = partitions = connections = reconnects = reconnecting = 0
         paths: list[str] = []
         for r in self._receivers:
-            made, again, seen = r.live_stats()
+            made, again, seen, down = r.live_stats()
             connections += made
             reconnects += again
+            reconnecting += down
             paths += seen
             with contextlib.suppress(OSError):
                 for f in r.staging.dir.iterdir():
@@ -483,6 +485,7 @@ class _ReceiveMeter:
             reconnects=reconnects,
             path=combine_paths(paths),
             done=done,
+            reconnecting=reconnecting > 0,
         )
 
 

@@ -64,7 +64,7 @@ from .protocol import (
     encode_json,
 )
 from .rendezvous import RendezvousCancelled, dilate_paired, pair
-from .report import path_of
+from .report import is_reconnecting, path_of, reconnects_of
 from .spec import TransferSpec
 
 log = logging.getLogger(__name__)
@@ -168,7 +168,7 @@ class LaneReceiver:
                 with contextlib.suppress(Exception):
                     status = conn.status()
                     self.paths.append(path_of(status.connection))
-                    self.reconnects += max(0, status.generation)
+                    self.reconnects += reconnects_of(status)
                 with contextlib.suppress(Exception):
                     conn.close(timeout=10, linger=linger)
             if self._lock_fd >= 0:
@@ -176,18 +176,20 @@ class LaneReceiver:
                     os.close(self._lock_fd)
                 self._lock_fd = -1
 
-    def live_stats(self) -> tuple[int, int, list[str]]:
-        """(connections made, reconnects, paths) now, for progress reports."""
+    def live_stats(self) -> tuple[int, int, list[str], int]:
+        """(connections made, reconnects, paths, reconnecting now), for progress reports."""
         with self._cond:
             conns = list(self._connections)
         paths = list(self.paths)
         reconnects = self.reconnects
+        reconnecting = 0
         for conn in conns:
             with contextlib.suppress(Exception):
                 status = conn.status()
                 paths.append(path_of(status.connection))
-                reconnects += max(0, status.generation)
-        return self.connections_made, reconnects, paths
+                reconnects += reconnects_of(status)
+                reconnecting += is_reconnecting(status)
+        return self.connections_made, reconnects, paths, reconnecting
 
     def wait_finished(self) -> BaseException | None:
         """Block until the lane is done or failed, or idle for ``idle_timeout``; its error."""
@@ -272,6 +274,11 @@ class LaneReceiver:
                 with self._cond:
                     if conn in self._connections:
                         self._connections.remove(conn)
+                        # Keep what it did for the report and the progress lines.
+                        with contextlib.suppress(Exception):
+                            status = conn.status()
+                            self.paths.append(path_of(status.connection))
+                            self.reconnects += reconnects_of(status)
                 return
             threading.Thread(target=self._guard, args=(handler, channel), daemon=True).start()
 

@@ -5,6 +5,7 @@ from __future__ import annotations
 import json
 from collections.abc import Iterable
 from dataclasses import asdict, dataclass
+from typing import Any
 
 
 @dataclass(frozen=True)
@@ -15,6 +16,7 @@ class ConnectionStats:
     connections_opened: int
     reconnects: int
     paths: tuple[str, ...]  # "direct" / "relay" per connection seen
+    reconnecting: int = 0  # connections down right now and being re-established
 
 
 @dataclass(frozen=True)
@@ -53,6 +55,19 @@ def path_of(description: str | None) -> str:
     return "relay" if "relay" in description else "direct"
 
 
+def reconnects_of(status: Any) -> int:
+    """Times a Dilation connection came back: L2 connections made after the first.
+
+    Not the generation number, which also counts attempts that never connected.
+    """
+    return max(0, status.connections - 1)
+
+
+def is_reconnecting(status: Any) -> bool:
+    """Down and trying to come back: not given up, not stopped."""
+    return status.connection is None and status.down_since is not None and not status.error
+
+
 def combine_paths(paths: Iterable[str]) -> str:
     seen = sorted({p for p in paths if p != "unknown"})
     return "+".join(seen) if seen else "unknown"
@@ -78,7 +93,8 @@ class Progress:
     or staged (receiver) so far; ``total_rows`` is known when the source says
     cheaply (a table, Parquet or Arrow files), ``total_bytes`` for plain files.
     ``path``, ``connections`` and ``reconnects`` describe the live Dilation
-    (or Transit) connections; ``done`` marks the last snapshot.
+    (or Transit) connections, ``reconnecting`` that one is down and being
+    re-established right now; ``done`` marks the last snapshot.
     """
 
     side: str  # "send" or "receive"
@@ -92,6 +108,7 @@ class Progress:
     reconnects: int = 0
     path: str = "unknown"
     done: bool = False
+    reconnecting: bool = False  # a connection is down and being re-established
 
     @property
     def rows_per_s(self) -> float:

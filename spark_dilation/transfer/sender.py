@@ -48,7 +48,7 @@ from .protocol import (
     lane_of,
 )
 from .rendezvous import RendezvousTimeout, dilate_paired, pair
-from .report import ConnectionStats, path_of
+from .report import ConnectionStats, is_reconnecting, path_of, reconnects_of
 from .spec import TransferSpec
 
 log = logging.getLogger(__name__)
@@ -149,15 +149,16 @@ class ConnectionPool:
             conns = [c for (t, _), c in self._conns.items() if t == transfer_id]
             opened = self.opened.get(transfer_id, 0)
         paths: list[str] = []
-        reconnects = 0
+        reconnects = reconnecting = 0
         for c in conns:
             try:
                 status = c.status()
             except DilationError:
                 continue
             paths.append(path_of(status.connection))
-            reconnects += max(0, status.generation)
-        return ConnectionStats(process_name(), opened, reconnects, tuple(paths))
+            reconnects += reconnects_of(status)
+            reconnecting += is_reconnecting(status)
+        return ConnectionStats(process_name(), opened, reconnects, tuple(paths), reconnecting)
 
     def close_transfer(self, transfer_id: str) -> None:
         with self._lock:
