@@ -17,7 +17,7 @@ from typing import Any
 
 import pyarrow as pa
 import pytest
-from test_spark_transfer import Side, read_parquet, staging
+from test_spark_transfer import peer, read_parquet, staging
 
 from spark_dilation.spark.register import SparkVersionError, check_pyspark, register
 from spark_dilation.transfer import receive_table, send_in_background
@@ -57,11 +57,11 @@ def _check(sent: dict[str, Any], got: dict[str, Any], tmp: Path) -> None:
 
 def test_connect_writer_to_classic_reader(wormhole_servers: Any, tmp_path: Path) -> None:
     code = "21-connect-to-classic"
-    receiver = Side(
+    receiver = peer(
         "receive", code, wormhole_servers, tmp_path, "--out", str(tmp_path / "out"),
         "--option", staging(tmp_path),
     )  # fmt: skip
-    sender = Side(
+    sender = peer(
         "send", code, wormhole_servers, tmp_path, "--remote", "local[2]", "--rows", ROWS,
         "--partitions", "4", "--expected", str(tmp_path / "expected"),
     )  # fmt: skip
@@ -77,14 +77,14 @@ def test_connect_writer_to_classic_reader(wormhole_servers: Any, tmp_path: Path)
 
 def test_classic_writer_to_connect_reader(wormhole_servers: Any, tmp_path: Path) -> None:
     code = "22-classic-to-connect"
-    receiver = Side(
+    receiver = peer(
         "receive", code, wormhole_servers, tmp_path, "--remote", "local[2]",
         "--out", str(tmp_path / "out"), "--option", staging(tmp_path),
         # Before the real load: an error raised on the server must reach the
         # client with our message.
         "--probe-option", "lanes=0",
     )  # fmt: skip
-    sender = Side(
+    sender = peer(
         "send", code, wormhole_servers, tmp_path, "--rows", ROWS, "--partitions", "4",
         "--expected", str(tmp_path / "expected"),
     )  # fmt: skip
