@@ -7,6 +7,6 @@ over the worker's ``sys.path``) and registers each ``DefaultSource`` subclass of
 ``DataSource`` under its ``name()``. Keep this module to the import below.
 """
 
-from spark_dilation.spark import DilationDataSource as DefaultSource
+from spark_dilation.spark.datasource import DilationDataSource as DefaultSource
 
 __all__ = ["DefaultSource"]

@@ -350,6 +350,8 @@ def test_the_jupyter_service_serves_the_tested_notebooks(tmp_path):
     assert jupyter["environment"]["SPARK_MASTER"] == "spark://spark-a-master:7077"
     folder = jupyter["command"][jupyter["command"].index("--notebook-dir") + 1]
     assert volumes(jupyter)[folder] == ROOT / "notebooks"
+    # It has no token, so it must not be published beyond the host's loopback.
+    assert jupyter["ports"] == ["127.0.0.1:8888:8888"]
     # The image runs the JupyterLab this test runs.
     pinned = re.search(r'"(jupyterlab==[\d.]+)"', (ROOT / "pyproject.toml").read_text())
     assert pinned and pinned[1] in (ROOT / "Dockerfile").read_text()

@@ -152,6 +152,19 @@ def test_big_batches_are_split_to_about_the_message_size() -> None:
     assert len(sizes) == len(pieces)
 
 
+def test_a_small_slice_of_a_big_table_is_one_message() -> None:
+    # A slice shares the table's buffers; its size is what it references
+    # (before, every 10,000-row slice of a 45 MB table became ~40 messages).
+    t = pa.table({"id": pa.array(range(1_000_000), pa.int64())})
+    small = t.slice(5_000, 10_000).to_batches()[0]
+    assert small.get_total_buffer_size() > 1024 * 1024
+    assert len(list(split_batch(small, 1024 * 1024))) == 1
+    enc = PartitionEncoder(t.schema)
+    assert len(list(enc.encode(small))) == 1
+    big = t.slice(0, 400_000).to_batches()[0]  # 3.2 MB referenced
+    assert len(list(split_batch(big, 1024 * 1024))) == 4
+
+
 def test_one_huge_row_is_still_one_message() -> None:
     t = pa.table({"b": pa.array([b"x" * (3 * 1024 * 1024)])})
     assert len(list(split_batch(t.to_batches()[0]))) == 1

@@ -13,41 +13,39 @@ Public API:
   Spark's own readers, or this data source with ``option("staged_path", ...)``.
 - :class:`ReceivedFile` -- what :func:`receive_file` returns.
 
-Importing this package loads pyspark and pyarrow only (Spark imports it in
-every session to discover data sources); the wormhole and Twisted are loaded
-when a transfer starts.
+Importing this package loads nothing; each name loads its module on first
+use. ``pyspark_dilation`` (which Spark imports in every session to discover
+data sources) loads the data source module, which needs pyspark and pyarrow
+only; the wormhole and Twisted are loaded when a transfer starts.
 """
 
 from __future__ import annotations
 
+from importlib import import_module
 from typing import Any
 
-from .datasource import DilationDataSource, NotSupportedYetError, read_wormhole_file
-from .options import OptionError
-from .receive import receive_file
-from .register import SparkVersionError, register
-from .staged import SUPPORTED_FORMATS, StagedDataError, UnsupportedFormatError
+# Loaded on first use (PEP 562): Spark's task and planner workers import
+# spark_dilation.spark.dataset, which runs this file first, and need none of these.
+_EXPORTS = {
+    "DilationDataSource": ".datasource",
+    "NotSupportedYetError": ".datasource",
+    "read_wormhole_file": ".datasource",
+    "OptionError": ".options",
+    "receive_file": ".receive",
+    "SparkVersionError": ".register",
+    "register": ".register",
+    "SUPPORTED_FORMATS": ".staged",
+    "StagedDataError": ".staged",
+    "UnsupportedFormatError": ".staged",
+    # The file transfer code pulls in Twisted.
+    "ReceivedFile": "..transit.filetransfer",
+}
 
-__all__ = [
-    "SUPPORTED_FORMATS",
-    "DilationDataSource",
-    "NotSupportedYetError",
-    "OptionError",
-    "ReceivedFile",
-    "SparkVersionError",
-    "StagedDataError",
-    "UnsupportedFormatError",
-    "read_wormhole_file",
-    "receive_file",
-    "register",
-]
+__all__ = sorted(_EXPORTS)
 
 
 def __getattr__(name: str) -> Any:
-    # ReceivedFile lives with the transfer code, which pulls in Twisted; load
-    # it only when someone asks for it.
-    if name == "ReceivedFile":
-        from ..transit.filetransfer import ReceivedFile
-
-        return ReceivedFile
-    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
+    module = _EXPORTS.get(name)
+    if module is None:
+        raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
+    return getattr(import_module(module, __name__), name)

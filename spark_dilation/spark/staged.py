@@ -21,17 +21,22 @@ import os
 from collections.abc import Iterator, Mapping, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
+from typing import TYPE_CHECKING
 from urllib.parse import unquote
 
 import pyarrow as pa
-import pyarrow.compute as pc
-import pyarrow.csv as pa_csv
 import pyarrow.ipc as pa_ipc
-import pyarrow.json as pa_json
-import pyarrow.parquet as pq
 import pyarrow.types as pat
 
 from ..errors import DilationError
+
+if TYPE_CHECKING:
+    import pyarrow.csv as pa_csv
+    import pyarrow.parquet as pq
+
+# pyarrow.compute, .csv, .json and .parquet are imported where they are used:
+# every Spark worker that unpickles our data source or writer imports this
+# module, and those four cost ~0.1 CPU-s per process (pyarrow.compute most).
 
 __all__ = [
     "DEFAULT_BATCH_ROWS",
@@ -324,10 +329,14 @@ def _infer_partition_type(values: Sequence[str | None]) -> pa.DataType:
 
 
 def _csv_read_options(csv: CsvOptions) -> pa_csv.ReadOptions:
+    import pyarrow.csv as pa_csv
+
     return pa_csv.ReadOptions(autogenerate_column_names=not csv.header)
 
 
 def _read_csv(path: Path, csv: CsvOptions, column_types: pa.Schema | None = None) -> pa.Table:
+    import pyarrow.csv as pa_csv
+
     types: dict[str, pa.DataType] | None = None
     if column_types is not None:
         # Without a header pyarrow calls the columns f0, f1, ... until renamed below.
@@ -348,6 +357,8 @@ def _read_csv(path: Path, csv: CsvOptions, column_types: pa.Schema | None = None
 
 
 def _read_json(path: Path, explicit: pa.Schema | None = None) -> pa.Table:
+    import pyarrow.json as pa_json
+
     parse = pa_json.ParseOptions(
         explicit_schema=explicit,
         unexpected_field_behavior="ignore" if explicit is not None else "infer",
@@ -367,6 +378,8 @@ def _open_ipc(path: Path) -> pa_ipc.RecordBatchFileReader | pa_ipc.RecordBatchSt
 
 
 def _parquet_file(path: Path) -> pq.ParquetFile:
+    import pyarrow.parquet as pq
+
     # Spark writes timestamps as INT96 by default; read them in microseconds
     # (Spark's unit), not pyarrow's default nanoseconds, which overflow
     # outside the years 1677-2262.
@@ -479,6 +492,8 @@ def plan_splits(dataset: StagedDataset, *, split_bytes: int = DEFAULT_SPLIT_BYTE
     thousands of tiny tasks, and a big file is read by several tasks at once.
     Empty row groups, and so empty Parquet files, get no task.
     """
+    import pyarrow.parquet as pq
+
     splits: list[Split] = []
     for data_file in dataset.files:
         if dataset.format != "parquet":
@@ -616,6 +631,8 @@ def _cast_column(column: pa.Array, target_field: pa.Field) -> pa.Array:
                 # with 26.0); list views are rare, so go through Python objects.
                 column = pa.array(column.to_pylist(), type=target_type)
             else:
+                import pyarrow.compute as pc
+
                 column = pc.cast(
                     column, options=pc.CastOptions(target_type, allow_time_truncate=True)
                 )

@@ -425,7 +425,10 @@ def split_batch(
 ) -> Iterator[pa.RecordBatch]:
     """Slices of ``batch`` of at most about ``max_bytes`` each (by rows; one row minimum)."""
     rows = batch.num_rows
-    size = batch.get_total_buffer_size() if rows else 0
+    # nbytes counts what a slice references; get_total_buffer_size() counts
+    # whole buffers, so every slice of a big table looked big and was cut
+    # into hundreds of tiny messages.
+    size = batch.nbytes if rows else 0
     if rows <= 1 or size <= max_bytes:
         yield batch
         return
