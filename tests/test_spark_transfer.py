@@ -198,6 +198,10 @@ def test_l2_connection_aborted_repeatedly(wormhole_servers: Any, tmp_path: Path)
     proxy = TcpProxy("127.0.0.1", wormhole_servers.relay_port)
     try:
         opts = _options(wormhole_servers, tmp_path, relay=proxy.hint(), no_listen=True)
+        # 160 MB cross the proxy twice (sender -> relay -> receiver): at 40 MB/s the
+        # data flows for 8 s at least, however fast the machine, which leaves time
+        # for four drops (each waits only for the lanes' connections to come back).
+        proxy.limit_rate(40e6)
         rows = 10_000_000
         table = pa.table(
             {"id": pa.array(range(rows), pa.int64()), "x": pa.array(range(rows), pa.float64())}

@@ -413,6 +413,26 @@ def test_proxy_carries_bulk_data_intact(echo_proxy: TcpProxy) -> None:
     assert hashlib.sha256(received).digest() == hashlib.sha256(payload).digest()
 
 
+def test_limit_rate_paces_bulk_data_and_lifts(echo_proxy: TcpProxy) -> None:
+    # 2 MB out and back is 4 MB read by the proxy: at 4 MB/s it cannot take less
+    # than about a second (a lower bound only: a limiter that leaks fails it).
+    payload = os.urandom(2 * 1024 * 1024)
+    echo_proxy.limit_rate(4e6)
+    with connect(echo_proxy) as sock:
+        started = time.monotonic()
+        sender = threading.Thread(target=sock.sendall, args=(payload,), daemon=True)
+        sender.start()
+        received = recv_exact(sock, len(payload))
+        sender.join(TIMEOUT)
+        paced = time.monotonic() - started
+        assert received == payload
+        assert paced >= 0.8, paced
+        echo_proxy.limit_rate(None)
+        echo_once(sock, b"unlimited again" * 1000)
+    with pytest.raises(ValueError, match="positive"):
+        echo_proxy.limit_rate(0)
+
+
 def test_proxy_forwards_half_close(echo_proxy: TcpProxy, echo_server: EchoServer) -> None:
     with connect(echo_proxy) as sock:
         sock.sendall(b"last words")

@@ -10,6 +10,7 @@ import selectors
 import socket
 import struct
 import threading
+import time
 from collections.abc import Callable
 from concurrent.futures import Future
 from types import TracebackType
@@ -22,6 +23,8 @@ RECV_SIZE = 256 * 1024
 # a slow reader pushes back on the writer instead of growing our memory.
 MAX_PENDING = 4 * RECV_SIZE
 COMMAND_TIMEOUT = 30.0
+# limit_rate(): the least a read waits for (smaller reads would spin).
+RATE_CHUNK = 64 * 1024
 
 _READ = selectors.EVENT_READ
 _WRITE = selectors.EVENT_WRITE
@@ -105,6 +108,10 @@ class TcpProxy:
         self._frozen = False
         self._refusing = False
         self._closing = False
+        # Token bucket of limit_rate(): bytes we may still read, refilled at _rate.
+        self._rate: float | None = None
+        self._tokens = 0.0
+        self._refilled_at = 0.0
         self._commands: queue.SimpleQueue[tuple[Callable[[], Any], Future[Any]]] = (
             queue.SimpleQueue()
         )
@@ -197,6 +204,17 @@ class TcpProxy:
         """
         self._call(self._release)
 
+    def limit_rate(self, bytes_per_second: float | None) -> None:
+        """Forward at most ``bytes_per_second`` in all (every connection, both
+        directions), or without a limit for ``None``.
+
+        A transfer through a limited proxy lasts at least its size over the rate
+        however fast the machine is, so a test can act on it while it runs.
+        """
+        if bytes_per_second is not None and bytes_per_second <= 0:
+            raise ValueError("bytes_per_second must be positive (or None for no limit)")
+        self._call(lambda: self._set_rate(bytes_per_second))
+
     def refuse_new(self, flag: bool = True) -> None:
         """While ``flag`` is true, close new connections as soon as they arrive."""
         self._call(lambda: setattr(self, "_refusing", bool(flag)))
@@ -240,7 +258,13 @@ class TcpProxy:
     def _run(self) -> None:
         try:
             while not self._closing:
-                for key, mask in self._selector.select():
+                starved = self._starved()
+                events = self._selector.select(self._until_tokens() if starved else None)
+                self._refill()
+                if starved and not self._starved():
+                    for link in list(self._links):
+                        self._update(link)
+                for key, mask in events:
                     if key.data is _LISTENER:
                         self._accept()
                     elif key.data is _WAKEUP:
@@ -346,8 +370,11 @@ class TcpProxy:
             self._update(link)
 
     def _read(self, link: _Link, d: _Direction) -> None:
+        if self._starved():
+            return
+        size = RECV_SIZE if self._rate is None else min(RECV_SIZE, int(self._tokens))
         try:
-            data = d.src.recv(RECV_SIZE)
+            data = d.src.recv(size)
         except (BlockingIOError, InterruptedError):
             return
         except OSError:
@@ -355,6 +382,8 @@ class TcpProxy:
             return
         if data:
             d.buf += data
+            if self._rate is not None:
+                self._tokens -= len(data)
         else:
             d.eof = True
         self._flush(link, d)
@@ -384,7 +413,7 @@ class TcpProxy:
             if link.connecting:
                 mask = _WRITE if sock is link.upstream else 0
             elif self._moving(link):
-                if not outgoing.eof and len(outgoing.buf) < MAX_PENDING:
+                if not outgoing.eof and len(outgoing.buf) < MAX_PENDING and not self._starved():
                     mask |= _READ
                 if incoming.buf:
                     mask |= _WRITE
@@ -433,6 +462,30 @@ class TcpProxy:
     def _set_frozen(self, frozen: bool) -> None:
         self._frozen = frozen
         self._resume(list(self._links))
+
+    def _set_rate(self, rate: float | None) -> None:
+        self._rate = rate
+        self._tokens = 0.0
+        self._refilled_at = time.monotonic()
+        self._resume(list(self._links))
+
+    def _refill(self) -> None:
+        if self._rate is None:
+            return
+        now = time.monotonic()
+        # A burst of at most 20 ms of the rate (or one read) keeps the pace smooth.
+        burst = max(float(RECV_SIZE), self._rate * 0.02)
+        self._tokens = min(burst, self._tokens + (now - self._refilled_at) * self._rate)
+        self._refilled_at = now
+
+    def _starved(self) -> bool:
+        # Wait for a whole chunk, not one byte: reads of a few bytes each would spin.
+        return self._rate is not None and self._tokens < RATE_CHUNK
+
+    def _until_tokens(self) -> float:
+        """Seconds until the bucket holds a chunk again."""
+        assert self._rate is not None
+        return max(0.001, (RATE_CHUNK - self._tokens) / self._rate)
 
     def _stall_existing(self) -> int:
         links = list(self._links)
