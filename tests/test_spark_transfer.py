@@ -198,10 +198,11 @@ def test_l2_connection_aborted_repeatedly(wormhole_servers: Any, tmp_path: Path)
     proxy = TcpProxy("127.0.0.1", wormhole_servers.relay_port)
     try:
         opts = _options(wormhole_servers, tmp_path, relay=proxy.hint(), no_listen=True)
-        # 160 MB cross the proxy twice (sender -> relay -> receiver): at 40 MB/s the
-        # data flows for 8 s at least, however fast the machine, which leaves time
-        # for four drops (each waits only for the lanes' connections to come back).
-        proxy.limit_rate(40e6)
+        # 160 MB cross the proxy twice (sender -> relay -> receiver): at 8 MB/s the
+        # data would flow for 40 s, however fast the machine, so the transfer cannot
+        # end before the four drops (each waits for every lane's connection to come
+        # back, seconds on a busy machine); the limit is lifted after the last one.
+        proxy.limit_rate(8e6)
         rows = 10_000_000
         table = pa.table(
             {"id": pa.array(range(rows), pa.int64()), "x": pa.array(range(rows), pa.float64())}
@@ -219,6 +220,7 @@ def test_l2_connection_aborted_repeatedly(wormhole_servers: Any, tmp_path: Path)
                 statuses = lane_connection_statuses()
                 if statuses and all(s.connection for s in statuses) and proxy.connection_count:
                     drops.append(proxy.drop_connections())
+            proxy.limit_rate(None)
 
         chaos_thread = threading.Thread(target=chaos, daemon=True)
         chaos_thread.start()

@@ -6,6 +6,7 @@ import contextlib
 import errno
 import logging
 import queue
+import random
 import selectors
 import socket
 import struct
@@ -23,7 +24,8 @@ RECV_SIZE = 256 * 1024
 # a slow reader pushes back on the writer instead of growing our memory.
 MAX_PENDING = 4 * RECV_SIZE
 COMMAND_TIMEOUT = 30.0
-# limit_rate(): the least a read waits for (smaller reads would spin).
+# limit_rate(): the least a read waits for (smaller reads would spin), and the
+# most one read takes, so ready connections share the tokens.
 RATE_CHUNK = 64 * 1024
 
 _READ = selectors.EVENT_READ
@@ -264,6 +266,10 @@ class TcpProxy:
                 if starved and not self._starved():
                     for link in list(self._links):
                         self._update(link)
+                if self._rate is not None:
+                    # Every ready connection gets its turn at the tokens, in a new order
+                    # each time: a busy one must not starve a new one's handshake.
+                    random.shuffle(events)
                 for key, mask in events:
                     if key.data is _LISTENER:
                         self._accept()
@@ -372,7 +378,7 @@ class TcpProxy:
     def _read(self, link: _Link, d: _Direction) -> None:
         if self._starved():
             return
-        size = RECV_SIZE if self._rate is None else min(RECV_SIZE, int(self._tokens))
+        size = RECV_SIZE if self._rate is None else min(RATE_CHUNK, int(self._tokens))
         try:
             data = d.src.recv(size)
         except (BlockingIOError, InterruptedError):
