@@ -78,14 +78,14 @@ class DilationArrowWriter(DataSourceArrowWriter):
         from ..transfer.sender import deliver_manifest
 
         sent = [m for m in messages if m is not None]
-        manifest = deliver_manifest(self.spec, [m.committed for m in sent])
+        manifest, control = deliver_manifest(self.spec, [m.committed for m in sent])
         connections, reconnects, path = merge_stats(m.stats for m in sent)
         report = TransferReport(
             rows=manifest.rows,
             bytes=sum(m.committed.bytes for m in sent),
             partitions=len(sent),
             lanes=self.spec.lanes,
-            connections=connections,
+            connections=connections + control,
             reconnects=reconnects,
             path=path,
             seconds=round(time.time() - self.started, 3),

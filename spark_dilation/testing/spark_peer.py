@@ -111,6 +111,19 @@ def digest(df: Any) -> list[str]:
     return [str(v) for v in row]
 
 
+def wait_for_executors(spark: Any, count: int, timeout: float = 120.0) -> None:
+    """Block until ``count`` executors (not counting the driver) have registered."""
+    deadline = time.monotonic() + timeout
+    while True:
+        # The block managers of the executors and of the driver.
+        registered = spark.sparkContext._jsc.sc().getExecutorMemoryStatus().size() - 1
+        if registered >= count:
+            return
+        if time.monotonic() > deadline:
+            raise RuntimeError(f"only {registered} of {count} executors registered in {timeout} s")
+        time.sleep(0.2)
+
+
 def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("side", choices=["send", "receive"])
@@ -134,6 +147,11 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--option", action="append", default=[], help="KEY=VALUE for format(dilation)")
     p.add_argument("--conf", action="append", default=[], help="KEY=VALUE for the SparkSession")
     p.add_argument(
+        "--executors", type=int, default=0,
+        help="wait (up to 120 s) until this many executors have registered, so a "
+        "local-cluster's tasks run on all of them",
+    )  # fmt: skip
+    p.add_argument(
         "--register", action="store_true",
         help="register the source first (spark_dilation.register): the session's one-time "
         "data source lookup then happens before t0, as for a sink registered by hand",
@@ -146,6 +164,8 @@ def main(argv: list[str] | None = None) -> int:
         options["relay"] = args.relay
     conf = dict(c.split("=", 1) for c in args.conf)
     spark = session(args.master, f"spark-dilation-{args.side}", conf, remote=args.remote)
+    if args.executors:
+        wait_for_executors(spark, args.executors)
     if args.register:
         from spark_dilation import register
 

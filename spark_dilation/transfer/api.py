@@ -257,14 +257,14 @@ class DatasetSender:
             raise
         ticker.stop()
         stats = connections.stats(spec.transfer_id)
-        manifest = deliver_manifest(spec, committed)
+        manifest, control = deliver_manifest(spec, committed)
         connections.close_transfer(spec.transfer_id)
         return TransferReport(
             rows=manifest.rows,
             bytes=sum(c.bytes for c in committed),
             partitions=len(committed),
             lanes=spec.lanes,
-            connections=stats.connections_opened,
+            connections=stats.connections_opened + control,
             reconnects=stats.reconnects,
             path=combine_paths(stats.paths),
             seconds=time.monotonic() - started,

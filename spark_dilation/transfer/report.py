@@ -25,7 +25,9 @@ class TransferReport:
     bytes: int
     partitions: int
     lanes: int
-    connections: int  # Dilation connections opened by the sending processes
+    # Dilation connections opened by the sending processes: the tasks' pools
+    # (one per process and lane) and the commit's (one per lane, for the manifest).
+    connections: int
     reconnects: int
     path: str  # "direct", "relay", "direct+relay" or "unknown"
     seconds: float

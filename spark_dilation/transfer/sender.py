@@ -283,8 +283,11 @@ def _injected_failure(spec: str, kind: str, attempt: int) -> int | None:
     return None
 
 
-def deliver_control(spec: TransferSpec, message: bytes, *, timeout: float) -> None:
+def deliver_control(spec: TransferSpec, message: bytes, *, timeout: float) -> int:
     """Send the manifest (or an abort) to every lane and wait for each to confirm.
+
+    Returns how many Dilation connections it opened (one per lane, more if a
+    lane went away meanwhile), which the transfer report counts.
 
     Runs in a fresh process (Spark's commit()/abort() worker) or at the end of
     the Python API's send; one connection per lane, in parallel.
@@ -324,15 +327,20 @@ def deliver_control(spec: TransferSpec, message: bytes, *, timeout: float) -> No
 
     with ThreadPoolExecutor(max_workers=min(16, spec.lanes)) as ex:
         list(ex.map(one, range(spec.lanes)))
+    opened = connections.stats(spec.transfer_id).connections_opened
     connections.close_transfer(spec.transfer_id)
     if errors:
         raise errors[0]
+    return opened
 
 
-def deliver_manifest(spec: TransferSpec, partitions: Iterable[CommittedPartition]) -> Manifest:
+def deliver_manifest(
+    spec: TransferSpec, partitions: Iterable[CommittedPartition]
+) -> tuple[Manifest, int]:
+    """Deliver the final manifest to every lane: (the manifest, connections opened)."""
     manifest = Manifest(spec.transfer_id, tuple(sorted(partitions, key=lambda c: c.partition)))
-    deliver_control(spec, manifest.encode(), timeout=spec.options.lane_start_timeout)
-    return manifest
+    opened = deliver_control(spec, manifest.encode(), timeout=spec.options.lane_start_timeout)
+    return manifest, opened
 
 
 def deliver_abort(spec: TransferSpec, reason: str, timeout: float = 30.0) -> None:
