@@ -23,7 +23,7 @@ and transit relay started locally. Cases:
 One JSON object per case (the median run with ``--repeat``): ``rows_per_s``,
 ``seconds``, ``ratio_to_ceiling``; for ``transfer`` also the CPU seconds per
 MB moved of the sending and the receiving Python processes (Spark's Python
-workers, and the lane hosts on the receiving side) and their peak RSS,
+workers, the sender host and the receiving lane hosts) and their peak RSS,
 sampled from /proc every 0.1 s. MB means 10**6 bytes of Arrow IPC.
 """
 
@@ -106,6 +106,8 @@ class ProcSampler:
             if side is None:
                 if "spark_dilation.transfer.lanehost" in cmd:
                     side = "receive"
+                elif "spark_dilation.transfer.senderhost" in cmd:
+                    side = "send"  # reparented to init once its planner worker ends
                 else:
                     p = pid
                     while p > 1 and p not in self.roots:
@@ -140,6 +142,7 @@ class ProcSampler:
             kind = (
                 "jvm" if self._is_jvm(pid)
                 else "lanehost" if "lanehost" in cmd
+                else "senderhost" if "senderhost" in cmd
                 else "planner" if "plan_data_source" in cmd or "commit_data_source" in cmd
                 or "lookup_data_sources" in cmd or "write_into_data_source" in cmd
                 else "daemon+tasks"

@@ -76,11 +76,17 @@ def test_spark_to_spark_all_types_exact(wormhole_servers: Any, tmp_path: Path) -
     assert received.equals(expected)
     report = sender.report()
     assert report["rows"] == 1_000_000 and report["partitions"] == 4 and report["lanes"] == 2
+    # The tasks and the commit handed everything to the sender host (sender_host
+    # defaults to true), whose one connection per lane carried every partition.
+    assert report["connections"] == report["lanes"], report
 
 
-def test_local_clusters_share_connections(wormhole_servers: Any, tmp_path: Path) -> None:
+@pytest.mark.parametrize("sender_host", ["true", "false"])
+def test_local_clusters_share_connections(
+    wormhole_servers: Any, tmp_path: Path, sender_host: str
+) -> None:
     """Two executors per side: fewer Dilation connections than partitions."""
-    code = "12-local-cluster"
+    code = f"12-local-cluster-{sender_host}"
     cluster = "local-cluster[2,1,1024]"
     receiver = peer(
         "receive", code, wormhole_servers, tmp_path, "--master", cluster, "--executors", "2",
@@ -90,6 +96,7 @@ def test_local_clusters_share_connections(wormhole_servers: Any, tmp_path: Path)
     sender = peer(
         "send", code, wormhole_servers, tmp_path, "--master", cluster, "--executors", "2",
         "--rows", "200000", "--partitions", "12", "--expected", str(tmp_path / "expected"),
+        "--option", f"sender_host={sender_host}",
     )  # fmt: skip
     sent, got = sender.result(), receiver.result()
     assert "error" not in sent, sent
@@ -97,10 +104,16 @@ def test_local_clusters_share_connections(wormhole_servers: Any, tmp_path: Path)
     assert read_parquet(tmp_path / "out").equals(read_parquet(tmp_path / "expected"))
     report = sender.report()
     assert report["partitions"] == 12
-    # Each sending Python worker keeps one connection per lane and reuses it (one
-    # worker on each of the two executors: 4), and the commit opens one per lane
-    # for the manifest (2); a worker Spark replaced would add its own.
-    assert 6 <= report["connections"] < report["partitions"], report
+    if sender_host == "true":
+        # Both executors run on this machine: their tasks and the commit used the
+        # sender host started by save(), one connection per lane in all.
+        assert report["connections"] == report["lanes"] == 2, report
+        return
+    # Each sending Python worker keeps one connection per lane it sent to and
+    # reuses it (one worker per executor: 2 to 4 in all, depending on which
+    # partitions Spark hands each), and the commit opens one per lane for the
+    # manifest (2); a worker Spark replaced would add its own.
+    assert 4 <= report["connections"] < report["partitions"], report
 
 
 # --- Python API and Spark -------------------------------------------------------------------

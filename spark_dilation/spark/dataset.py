@@ -66,19 +66,40 @@ class DilationArrowWriter(DataSourceArrowWriter):
         self.started = started  # wall clock (time.time()) of the session's end
 
     def write(self, iterator: Iterator[pa.RecordBatch]) -> PartitionSent:
+        partition, attempt = _task()
+        if self.spec.options.sender_host:
+            from ..transfer.hostlink import send_partition_via_host
+
+            # The machine's sender host, if one runs here (started by writer()).
+            via_host = send_partition_via_host(self.spec, partition, attempt, iterator)
+            if via_host is not None:
+                return PartitionSent(*via_host)
         from ..transfer.sender import pool, send_partition
 
-        partition, attempt = _task()
         _quiet_logs()
         connections = pool()
         committed = send_partition(self.spec, partition, attempt, iterator, connections=connections)
         return PartitionSent(committed, connections.stats(self.spec.transfer_id))
 
     def commit(self, messages: list[PartitionSent | None]) -> None:
-        from ..transfer.sender import deliver_manifest
+        from ..transfer.protocol import Manifest
 
         sent = [m for m in messages if m is not None]
-        manifest, control = deliver_manifest(self.spec, [m.committed for m in sent])
+        committed = [m.committed for m in sent]
+        control = None
+        if self.spec.options.sender_host:
+            from ..transfer.hostlink import deliver_manifest_via_host
+
+            control = deliver_manifest_via_host(self.spec, committed)
+        if control is None:
+            from ..transfer.sender import deliver_manifest
+
+            _quiet_logs()
+            manifest, control = deliver_manifest(self.spec, committed)
+        else:
+            manifest = Manifest(
+                self.spec.transfer_id, tuple(sorted(committed, key=lambda c: c.partition))
+            )
         connections, reconnects, path = merge_stats(m.stats for m in sent)
         report = TransferReport(
             rows=manifest.rows,
@@ -94,9 +115,18 @@ class DilationArrowWriter(DataSourceArrowWriter):
         _log_report(report)
 
     def abort(self, messages: list[PartitionSent | None]) -> None:
+        reason = "the Spark job writing the dataset failed"
+        if self.spec.options.sender_host:
+            from ..transfer.hostlink import deliver_abort_via_host
+
+            try:
+                if deliver_abort_via_host(self.spec, reason, timeout=30):
+                    return
+            except Exception as e:  # best effort, like deliver_abort; try in-process
+                log.warning("the sender host could not deliver the abort: %s", e)
         from ..transfer.sender import deliver_abort
 
-        deliver_abort(self.spec, "the Spark job writing the dataset failed", timeout=30)
+        deliver_abort(self.spec, reason, timeout=30)
 
 
 def _log_report(report: TransferReport) -> None:

@@ -232,6 +232,10 @@ class DilationDataSource(DataSource):
         session = SenderSession.open(arrow_schema, options, code=code, source="spark")
         spec = session.wait()
         log.info("dataset transfer %s agreed: %d lanes", spec.transfer_id, spec.lanes)
+        if options.sender_host:
+            from ..transfer.hostlink import start_sender_host
+
+            start_sender_host(spec)
         return DilationArrowWriter(spec, time.time())
 
 

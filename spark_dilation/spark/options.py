@@ -52,7 +52,11 @@ FILE_ONLY_OPTIONS: tuple[str, ...] = (
     "delimiter",
 )
 # Every option the reader understands: those and the dataset transfer's.
-KNOWN_OPTIONS: tuple[str, ...] = (*FILE_ONLY_OPTIONS, *TransferOptions.names())
+# sender_host is the Spark writer's alone.
+KNOWN_OPTIONS: tuple[str, ...] = (
+    *FILE_ONLY_OPTIONS,
+    *(n for n in TransferOptions.names() if n != "sender_host"),
+)
 
 
 class OptionError(DilationError, ValueError):

@@ -51,6 +51,11 @@ class TransferOptions:
       ``local-cluster``); ``true``/``false`` force it. Lanes stage on the
       machine that ran ``load()``, so ``true`` on a multi-machine cluster
       needs a ``staging_dir`` every executor can read.
+    * ``sender_host``: Spark writer only: the Spark tasks (and the commit) on
+      the machine that ran ``save()`` hand their partitions to one sender
+      process there, which holds the Dilation connections to the lanes;
+      ``false``: every Python worker pairs and keeps connections of its own
+      (as tasks on other machines always do).
     """
 
     mailbox: str | None = None
@@ -64,6 +69,7 @@ class TransferOptions:
     staging_dir: str | None = None
     no_listen: bool = False
     early_lanes: str = "auto"
+    sender_host: bool = True
     # Test-only fault injection ("" = none); see docs/transfer.md.
     test_fail: str = ""
 

@@ -28,7 +28,14 @@ from typing import Any
 import pyarrow as pa
 
 from ..dilation.blocking import BlockingDilationError, DilationTimeout
-from ..errors import DilationError, TransferError
+from ..errors import DilationError
+from .partition import (
+    InjectedFailure,
+    LaneLostError,
+    LaneNotStartedError,
+    LaneRefusedError,
+    PartitionStream,
+)
 from .protocol import (
     CONTROL_SUBPROTOCOL,
     PARTITION_SUBPROTOCOL,
@@ -40,8 +47,6 @@ from .protocol import (
     CommittedPartition,
     Complete,
     Manifest,
-    PartitionEncoder,
-    PartitionHeader,
     ProtocolError,
     decode_message,
     encode_json,
@@ -53,27 +58,19 @@ from .spec import TransferSpec
 
 log = logging.getLogger(__name__)
 
-
-class LaneNotStartedError(TransferError, TimeoutError):
-    def __init__(self, lane: int, lanes: int, timeout: float, what: str = "a partition") -> None:
-        super().__init__(
-            f"lane {lane} of {lanes} did not start within {timeout:g} s (waited to send "
-            f"{what}). The reader runs its lanes when an action (count(), show(), write) runs, "
-            "and all lanes must run at once: set option lanes to at most the reader's task "
-            "slots, start the reader's action sooner, or raise option lane_start_timeout"
-        )
-
-
-class LaneLostError(TransferError):
-    """The lane went away before it confirmed the partition; a retry sends it again."""
-
-
-class LaneRefusedError(TransferError):
-    """The lane refused the partition (schema mismatch, aborted transfer, ...)."""
-
-
-class InjectedFailure(TransferError):
-    """A test-only failure requested with option ``test_fail``."""
+__all__ = [
+    "ConnectionPool",
+    "InjectedFailure",
+    "LaneLostError",
+    "LaneNotStartedError",
+    "LaneRefusedError",
+    "deliver_abort",
+    "deliver_control",
+    "deliver_manifest",
+    "pool",
+    "send_partition",
+    "stream_partition",
+]
 
 
 def process_name() -> str:
@@ -196,6 +193,23 @@ def send_partition(
     Raises :class:`LaneNotStartedError`, :class:`LaneLostError` (retryable:
     nothing of this attempt is kept by the lane), :class:`LaneRefusedError`.
     """
+    stream = PartitionStream(spec, partition, attempt)
+    done = stream_partition(spec, partition, stream.messages(batches), connections=connections)
+    return stream.committed(done, lane_of(partition, spec.lanes))
+
+
+def stream_partition(
+    spec: TransferSpec,
+    partition: int,
+    messages: Iterable[bytes],
+    *,
+    connections: ConnectionPool | None = None,
+) -> Complete:
+    """Send a partition's messages (header first, trailer last) on a new subchannel.
+
+    Returns the lane's "complete" answer. If ``messages`` raises before the
+    trailer, the subchannel closes without it and the lane drops the attempt.
+    """
     connections = connections or pool()
     opts = spec.options
     lane = lane_of(partition, spec.lanes)
@@ -206,25 +220,8 @@ def send_partition(
     except BlockingDilationError as e:
         connections.evict(spec.transfer_id, lane, conn)
         raise LaneLostError(f"could not open a subchannel to lane {lane}: {e}") from e
-    encoder = PartitionEncoder(spec.schema, spec.compression)
-    fail_after = _injected_failure(opts.test_fail, "sender-mid-partition", attempt)
     try:
-        channel.send(
-            PartitionHeader(
-                spec.transfer_id, partition, attempt, spec.fingerprint, spec.compression
-            ).encode(),
-            timeout=opts.reconnect_timeout,
-        )
-        for batch in batches:
-            batch = _conform(batch, spec.schema)
-            for message in encoder.encode(batch):
-                channel.send(message, timeout=opts.reconnect_timeout)
-                if fail_after is not None and encoder.messages >= fail_after:
-                    raise InjectedFailure(
-                        f"test_fail: sender partition {partition} attempt {attempt} fails "
-                        "mid-partition"
-                    )
-        for message in encoder.finish():
+        for message in messages:
             channel.send(message, timeout=opts.reconnect_timeout)
         reply = channel.receive(timeout=opts.reconnect_timeout + opts.lane_start_timeout)
     except DilationTimeout as e:
@@ -239,12 +236,7 @@ def send_partition(
         channel.close()  # no trailer: the lane drops this attempt
         raise
     channel.close()
-    done = Complete.from_body(_answer(reply, lane, TAG_COMPLETE, f"partition {partition}"))
-    if done.rows != encoder.rows and not done.duplicate:
-        raise ProtocolError(f"lane {lane} counted {done.rows} rows of {encoder.rows}")
-    return CommittedPartition(
-        partition, attempt, lane, done.incarnation, encoder.rows, encoder.bytes
-    )
+    return Complete.from_body(_answer(reply, lane, TAG_COMPLETE, f"partition {partition}"))
 
 
 def _answer(reply: bytes | None, lane: int, expected: bytes, what: str) -> dict:
@@ -259,42 +251,27 @@ def _answer(reply: bytes | None, lane: int, expected: bytes, what: str) -> dict:
     return body
 
 
-def _conform(batch: pa.RecordBatch, schema: pa.Schema) -> pa.RecordBatch:
-    if batch.schema.equals(schema):
-        return batch
-    try:
-        return pa.RecordBatch.from_arrays(
-            [batch.column(i).cast(f.type) for i, f in enumerate(schema)], schema=schema
-        )
-    except (pa.ArrowException, IndexError) as e:
-        from .protocol import SchemaMismatchError
-
-        raise SchemaMismatchError(
-            f"a batch with schema {batch.schema} does not match the transfer's schema {schema}: {e}"
-        ) from e
-
-
-def _injected_failure(spec: str, kind: str, attempt: int) -> int | None:
-    """Messages after which to fail, if option test_fail asks for ``kind`` on this attempt."""
-    for item in filter(None, (s.strip() for s in spec.split(","))):
-        name, _, rest = item.partition(":")
-        if name == kind and attempt == 0:
-            return int(rest or "2")
-    return None
-
-
-def deliver_control(spec: TransferSpec, message: bytes, *, timeout: float) -> int:
+def deliver_control(
+    spec: TransferSpec,
+    message: bytes,
+    *,
+    timeout: float,
+    connections: ConnectionPool | None = None,
+) -> int:
     """Send the manifest (or an abort) to every lane and wait for each to confirm.
 
     Returns how many Dilation connections it opened (one per lane, more if a
     lane went away meanwhile), which the transfer report counts.
 
     Runs in a fresh process (Spark's commit()/abort() worker) or at the end of
-    the Python API's send; one connection per lane, in parallel.
+    the Python API's send, with a pool of its own (one connection per lane,
+    in parallel), or in the sender host with the host's pool (``connections``,
+    whose connections the partitions used; it is closed afterwards).
     """
     errors: list[BaseException] = []
     deadline = time.monotonic() + timeout
-    connections = ConnectionPool()
+    opened_before = connections.opened.get(spec.transfer_id, 0) if connections else 0
+    connections = connections or ConnectionPool()
     what = "the abort" if message[:1] == TAG_ABORT else "the final manifest"
 
     def once(lane: int) -> None:
@@ -327,7 +304,7 @@ def deliver_control(spec: TransferSpec, message: bytes, *, timeout: float) -> in
 
     with ThreadPoolExecutor(max_workers=min(16, spec.lanes)) as ex:
         list(ex.map(one, range(spec.lanes)))
-    opened = connections.stats(spec.transfer_id).connections_opened
+    opened = connections.stats(spec.transfer_id).connections_opened - opened_before
     connections.close_transfer(spec.transfer_id)
     if errors:
         raise errors[0]
@@ -335,17 +312,31 @@ def deliver_control(spec: TransferSpec, message: bytes, *, timeout: float) -> in
 
 
 def deliver_manifest(
-    spec: TransferSpec, partitions: Iterable[CommittedPartition]
+    spec: TransferSpec,
+    partitions: Iterable[CommittedPartition],
+    connections: ConnectionPool | None = None,
 ) -> tuple[Manifest, int]:
     """Deliver the final manifest to every lane: (the manifest, connections opened)."""
     manifest = Manifest(spec.transfer_id, tuple(sorted(partitions, key=lambda c: c.partition)))
-    opened = deliver_control(spec, manifest.encode(), timeout=spec.options.lane_start_timeout)
+    opened = deliver_control(
+        spec, manifest.encode(), timeout=spec.options.lane_start_timeout, connections=connections
+    )
     return manifest, opened
 
 
-def deliver_abort(spec: TransferSpec, reason: str, timeout: float = 30.0) -> None:
+def deliver_abort(
+    spec: TransferSpec,
+    reason: str,
+    timeout: float = 30.0,
+    connections: ConnectionPool | None = None,
+) -> None:
     """Tell every reachable lane the transfer failed (best effort, bounded)."""
     try:
-        deliver_control(spec, encode_json(TAG_ABORT, {"reason": reason}), timeout=timeout)
+        deliver_control(
+            spec,
+            encode_json(TAG_ABORT, {"reason": reason}),
+            timeout=timeout,
+            connections=connections,
+        )
     except (DilationError, TimeoutError) as e:
         log.warning("could not tell every lane about the abort: %s", e)

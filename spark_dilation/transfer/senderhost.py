@@ -1,0 +1,213 @@
+"""The sender host: one process per transfer and machine that holds the connections.
+
+``writer()`` starts it (``python -m spark_dilation.transfer.senderhost SPEC``)
+on the driver's machine while Spark plans the job. It imports the wormhole
+and Dilation stack once, pairs with every lane at once (so the first
+partition does not wait for it) and serves the Spark tasks and the commit of
+this machine over a Unix socket (:mod:`.hostlink` has the local protocol):
+each partition still gets its own subchannel on the host's shared
+connection to its lane, with the same deadlines and errors as in-process.
+
+Why: every sending Python process otherwise imports Twisted, autobahn and
+the crypto libraries (about 0.4 CPU-s) and pairs with each lane (0.1-0.2 s);
+on a busy sending core that is wall time (``docs/transfer.md``).
+
+It exits after it delivered the manifest or the abort, or when no task used
+it for ``idle_timeout`` seconds; tasks that find no host send in-process.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import logging
+import os
+import pickle
+import shutil
+import socket
+import sys
+import threading
+import time
+from collections.abc import Iterator
+from dataclasses import asdict
+
+from ..errors import DilationError, TransferError
+from .hostlink import (
+    KIND_ABORT,
+    KIND_MANIFEST,
+    KIND_PARTITION,
+    MAX_REQUEST,
+    host_dir,
+    host_token,
+    read_request,
+    recv_exactly,
+    socket_path,
+    write_answer,
+)
+from .protocol import CommittedPartition, ProtocolError
+from .sender import ConnectionPool, deliver_abort, deliver_manifest, stream_partition
+from .spec import TransferSpec
+
+log = logging.getLogger("spark_dilation.transfer.senderhost")
+
+_LEN_SIZE = 4
+
+
+class _TaskGone(TransferError):
+    """The task closed its socket before the end of its partition (failed or killed)."""
+
+
+class SenderHost:
+    def __init__(self, spec: TransferSpec) -> None:
+        self.spec = spec
+        self.pool = ConnectionPool()
+        self.token = host_token(spec)
+        self.idle = spec.options.idle_timeout
+        self._lock = threading.Lock()
+        self._active = 0
+        self._last = time.monotonic()
+        self._done = threading.Event()
+
+    # --- lifecycle ---------------------------------------------------------------
+
+    def run(self) -> int:
+        path = socket_path(self.spec)
+        listener = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+        with contextlib.suppress(FileNotFoundError):
+            path.unlink()  # a stale socket of a host that was killed
+        old_umask = os.umask(0o177)  # the socket is ours alone
+        try:
+            listener.bind(str(path))
+        finally:
+            os.umask(old_umask)
+        listener.listen(64)
+        listener.settimeout(0.5)
+        log.info("sender host of transfer %s listening", self.spec.transfer_id)
+        for lane in range(self.spec.lanes):
+            threading.Thread(target=self._warm, args=(lane,), daemon=True).start()
+        try:
+            while not self._done.is_set() and not self._idle_expired():
+                try:
+                    conn, _ = listener.accept()
+                except TimeoutError:
+                    continue
+                conn.settimeout(None)
+                with self._lock:
+                    self._active += 1
+                threading.Thread(target=self._serve, args=(conn,), daemon=True).start()
+        finally:
+            listener.close()
+            with contextlib.suppress(FileNotFoundError):
+                path.unlink()
+        self._wait_for_tasks(30.0)
+        self.pool.close_transfer(self.spec.transfer_id)
+        if self._done.is_set():
+            shutil.rmtree(host_dir(self.spec), ignore_errors=True)
+        log.info("sender host done (%s)", "delivered" if self._done.is_set() else "idle")
+        return 0
+
+    def _idle_expired(self) -> bool:
+        with self._lock:
+            return self._active == 0 and time.monotonic() - self._last > self.idle
+
+    def _wait_for_tasks(self, limit: float) -> None:
+        end = time.monotonic() + limit
+        while time.monotonic() < end:
+            with self._lock:
+                if self._active == 0:
+                    return
+            time.sleep(0.05)
+
+    def _warm(self, lane: int) -> None:
+        # Pair with the lane now, not when the first partition comes.
+        deadline = time.monotonic() + self.spec.options.lane_start_timeout
+        try:
+            self.pool.get(self.spec, lane, deadline)
+        except (DilationError, TimeoutError) as e:
+            log.info("lane %d not reached yet: %s", lane, e)
+
+    # --- one task's connection ----------------------------------------------------
+
+    def _serve(self, conn: socket.socket) -> None:
+        try:
+            with conn:
+                try:
+                    kind, request = read_request(conn, self.token)
+                except (OSError, EOFError, ValueError) as e:
+                    log.warning("dropped a local connection: %s", e)
+                    return
+                try:
+                    answer = self._handle(kind, request, conn)
+                except _TaskGone as e:
+                    log.info("%s", e)
+                    return
+                except (DilationError, TimeoutError, ProtocolError) as e:
+                    answer = {"error": type(e).__name__, "message": str(e)}
+                except Exception as e:  # a bug: tell the task, keep serving the others
+                    log.exception("serving a task")
+                    answer = {"error": type(e).__name__, "message": str(e)}
+                with contextlib.suppress(OSError):
+                    write_answer(conn, answer)
+        finally:
+            with self._lock:
+                self._active -= 1
+                self._last = time.monotonic()
+
+    def _handle(self, kind: bytes, request: dict, conn: socket.socket) -> dict:
+        spec = self.spec
+        if kind == KIND_PARTITION:
+            partition = int(request["partition"])
+            done = stream_partition(
+                spec, partition, self._messages(conn, partition), connections=self.pool
+            )
+            stats = asdict(self.pool.stats(spec.transfer_id))
+            return {"complete": asdict(done), "stats": stats}
+        if kind == KIND_MANIFEST:
+            committed = [CommittedPartition(**p) for p in request["partitions"]]
+            try:
+                _, opened = deliver_manifest(spec, committed, connections=self.pool)
+            finally:
+                self._done.set()
+            return {"opened": opened}
+        if kind == KIND_ABORT:
+            try:
+                deliver_abort(
+                    spec, str(request["reason"]), float(request["timeout"]), connections=self.pool
+                )
+            finally:
+                self._done.set()
+            return {"ok": True}
+        raise ProtocolError(f"unknown request kind {kind!r}")
+
+    def _messages(self, conn: socket.socket, partition: int) -> Iterator[bytearray]:
+        """The partition's messages as the task sends them, up to its end marker."""
+        while True:
+            try:
+                n = int.from_bytes(recv_exactly(conn, _LEN_SIZE), "big")
+                if n == 0:
+                    return
+                if n > MAX_REQUEST:
+                    raise ProtocolError(f"a message of {n} bytes from a task")
+                # A new buffer per message: the connection may still hold the last one.
+                message = recv_exactly(conn, n)
+            except (OSError, EOFError) as e:
+                raise _TaskGone(
+                    f"the task sending partition {partition} went away mid-partition "
+                    "(its lane drops this attempt)"
+                ) from e
+            yield message
+
+
+def main(argv: list[str] | None = None) -> int:
+    (spec_path,) = argv if argv is not None else sys.argv[1:]
+    with open(spec_path, "rb") as f:
+        spec = pickle.load(f)
+    os.unlink(spec_path)  # it holds the transfer secret
+    logging.basicConfig(
+        level=logging.INFO, format="%(asctime)s sender-host %(name)s %(levelname)s %(message)s"
+    )
+    logging.getLogger("twisted").setLevel(logging.WARNING)
+    return SenderHost(spec).run()
+
+
+if __name__ == "__main__":
+    sys.exit(main())

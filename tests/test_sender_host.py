@@ -1,0 +1,162 @@
+"""The sender host on the real mailbox server and relay, without Spark.
+
+What a Spark task does through ``hostlink`` (hand a partition over the local
+socket, retry after a failed attempt, deliver the manifest) against a real
+host process and real receiving lanes (the Python API's receiver).
+"""
+
+from __future__ import annotations
+
+import socket
+import threading
+import time
+from pathlib import Path
+from typing import Any
+
+import pyarrow as pa
+import pytest
+
+from spark_dilation.transfer import TransferOptions, receive_dataset
+from spark_dilation.transfer.hostlink import (
+    _LEN,
+    KIND_PARTITION,
+    _connect,
+    deliver_manifest_via_host,
+    host_dir,
+    send_partition_via_host,
+    socket_path,
+    start_sender_host,
+)
+from spark_dilation.transfer.partition import PartitionStream
+from spark_dilation.transfer.session import SenderSession
+
+
+def table(rows: int, start: int = 0) -> pa.Table:
+    return pa.table(
+        {
+            "id": pa.array(range(start, start + rows), pa.int64()),
+            "s": pa.array([f"row-{i:09d}" for i in range(start, start + rows)]),
+        }
+    )
+
+
+def wait_until(condition: Any, timeout: float, what: str) -> None:
+    deadline = time.monotonic() + timeout
+    while not condition():
+        assert time.monotonic() < deadline, f"timed out waiting for {what}"
+        time.sleep(0.05)
+
+
+@pytest.fixture
+def opts(mailbox_url: str, relay_url: str, tmp_path: Path) -> dict[str, Any]:
+    return {"mailbox": mailbox_url, "relay": relay_url, "staging_dir": str(tmp_path / "staging")}
+
+
+def test_tasks_hand_partitions_to_the_sender_host(opts: dict[str, Any]) -> None:
+    parts = [table(30_000, start=p * 30_000) for p in range(4)]
+    session = SenderSession.open(parts[0].schema, TransferOptions(**opts))
+    received: dict[str, Any] = {}
+
+    def receive() -> None:
+        try:
+            received["result"] = receive_dataset(session.code, lanes=2, **opts)
+        except BaseException as e:
+            received["error"] = e
+
+    receiver = threading.Thread(target=receive, daemon=True)
+    receiver.start()
+    spec = session.wait()
+
+    # No host yet: a task learns it at once and sends in-process instead.
+    assert send_partition_via_host(spec, 0, 0, iter(parts[0].to_batches())) is None
+
+    assert start_sender_host(spec)
+    wait_until(socket_path(spec).exists, 60, "the sender host's socket")
+    assert socket_path(spec).stat().st_mode & 0o077 == 0  # this user's alone
+
+    # A stranger (no token of this transfer) is dropped; the host goes on.
+    stranger = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+    stranger.connect(str(socket_path(spec)))
+    stranger.sendall(b"SDH1" + b"\0" * 32 + b"P" + _LEN.pack(2) + b"{}")
+    stranger.settimeout(10)
+    try:
+        answer = stranger.recv(100)
+    except ConnectionResetError:  # closed with the stranger's body unread
+        answer = b""
+    assert answer == b""
+    stranger.close()
+
+    # Partition 1's first attempt: the task dies after two messages. The lane
+    # must drop that attempt, so attempt 1 delivers the partition exactly once.
+    sock = _connect(spec, KIND_PARTITION, {"partition": 1, "attempt": 0})
+    assert sock is not None
+    messages = PartitionStream(spec, 1, 0).messages(parts[1].slice(0, 5000).to_batches())
+    for message in [next(messages), next(messages)]:
+        sock.sendall(_LEN.pack(len(message)) + message)
+    sock.close()
+
+    stats = []
+    committed = []
+    for p, attempt in [(0, 0), (1, 1), (2, 0), (3, 0)]:
+        got = send_partition_via_host(spec, p, attempt, iter(parts[p].to_batches(30_00)))
+        assert got is not None
+        committed.append(got[0])
+        stats.append(got[1])
+    assert [c.rows for c in committed] == [30_000] * 4
+    assert {c.lane for c in committed} == {0, 1}
+    # One process (the host), one connection per lane, reused by every partition.
+    assert {s.process for s in stats} == {stats[0].process}
+    assert stats[-1].connections_opened == spec.lanes
+
+    assert deliver_manifest_via_host(spec, committed) == 0  # the lanes' connections again
+    receiver.join(120)
+    assert "error" not in received, received.get("error")
+    result = received["result"]
+    assert result.table.sort_by("id").equals(pa.concat_tables(parts))
+    # Done: the host leaves and takes its directory (socket, log) with it.
+    wait_until(lambda: not host_dir(spec).exists(), 60, "the sender host to exit")
+
+
+def test_a_host_that_dies_mid_partition_is_a_retryable_loss(opts: dict[str, Any]) -> None:
+    """The host killed while a task streams: LaneLostError, then the retry sends in-process."""
+    import os
+    import signal
+
+    from spark_dilation.transfer.partition import LaneLostError
+    from spark_dilation.transfer.sender import deliver_manifest, send_partition
+
+    parts = [table(20_000, start=p * 20_000) for p in range(2)]
+    session = SenderSession.open(parts[0].schema, TransferOptions(**opts))
+    received: dict[str, Any] = {}
+
+    def receive() -> None:
+        try:
+            received["result"] = receive_dataset(session.code, lanes=2, **opts)
+        except BaseException as e:
+            received["error"] = e
+
+    receiver = threading.Thread(target=receive, daemon=True)
+    receiver.start()
+    spec = session.wait()
+    assert start_sender_host(spec)
+    wait_until(socket_path(spec).exists, 60, "the sender host's socket")
+    host_pid = int((host_dir(spec) / "host.pid").read_text())
+
+    def dying_batches() -> Any:
+        batches = parts[0].to_batches(1000)
+        yield batches[0]
+        os.kill(host_pid, signal.SIGKILL)
+        time.sleep(0.5)
+        yield from batches[1:]
+
+    with pytest.raises(LaneLostError, match="sender host"):
+        send_partition_via_host(spec, 0, 0, dying_batches())
+    # The host is gone: a task learns it at once and sends in-process.
+    assert send_partition_via_host(spec, 0, 1, iter(parts[0].to_batches())) is None
+    committed = [send_partition(spec, 0, 1, iter(parts[0].to_batches()))]
+    committed.append(send_partition(spec, 1, 0, iter(parts[1].to_batches())))
+    assert deliver_manifest_via_host(spec, committed) is None
+    deliver_manifest(spec, committed)
+    receiver.join(120)
+    assert "error" not in received, received.get("error")
+    assert received["result"].table.sort_by("id").equals(pa.concat_tables(parts))
