@@ -35,7 +35,6 @@ import pyarrow as pa
 import pyarrow.ipc as ipc
 
 from ..errors import TransferError
-from ..wormhole.keys import derive_key
 from .options import COMPRESSIONS
 
 PROTOCOL = "spark-dilation/dataset"
@@ -80,6 +79,10 @@ def slot_code(secret: bytes, lane: int, slot: int) -> str:
     can guess the password (128 bits), and the nameplate (digits only, as the
     mailbox server requires) reveals nothing about the secret.
     """
+    # Imported here: Spark task workers load this module to encode partitions
+    # and must not pay for SPAKE2, PyNaCl and HKDF (~0.05 CPU-s) they never use.
+    from ..wormhole.keys import derive_key
+
     if lane < 0 or slot < 0:
         raise ValueError("lane and slot are non-negative")
     info = f"rendezvous lane {lane} slot {slot}".encode()
