@@ -47,14 +47,13 @@ def wait_until(condition: Any, timeout: float, what: str) -> None:
         time.sleep(0.05)
 
 
-@pytest.fixture
-def opts(mailbox_url: str, relay_url: str, tmp_path: Path) -> dict[str, Any]:
-    return {"mailbox": mailbox_url, "relay": relay_url, "staging_dir": str(tmp_path / "staging")}
+def agree(schema: pa.Schema, opts: dict[str, Any]) -> tuple[Any, threading.Thread, dict]:
+    """A session over a code with a Python receiver (2 lanes) running in a thread.
 
-
-def test_tasks_hand_partitions_to_the_sender_host(opts: dict[str, Any]) -> None:
-    parts = [table(30_000, start=p * 30_000) for p in range(4)]
-    session = SenderSession.open(parts[0].schema, TransferOptions(**opts))
+    Returns the sender's spec, the receiver's thread and the dict that gets
+    its ``result`` (or ``error``).
+    """
+    session = SenderSession.open(schema, TransferOptions(**opts))
     received: dict[str, Any] = {}
 
     def receive() -> None:
@@ -65,7 +64,17 @@ def test_tasks_hand_partitions_to_the_sender_host(opts: dict[str, Any]) -> None:
 
     receiver = threading.Thread(target=receive, daemon=True)
     receiver.start()
-    spec = session.wait()
+    return session.wait(), receiver, received
+
+
+@pytest.fixture
+def opts(mailbox_url: str, relay_url: str, tmp_path: Path) -> dict[str, Any]:
+    return {"mailbox": mailbox_url, "relay": relay_url, "staging_dir": str(tmp_path / "staging")}
+
+
+def test_tasks_hand_partitions_to_the_sender_host(opts: dict[str, Any]) -> None:
+    parts = [table(30_000, start=p * 30_000) for p in range(4)]
+    spec, receiver, received = agree(parts[0].schema, opts)
 
     # No host yet: a task learns it at once and sends in-process instead.
     assert send_partition_via_host(spec, 0, 0, iter(parts[0].to_batches())) is None
@@ -126,18 +135,7 @@ def test_a_host_that_dies_mid_partition_is_a_retryable_loss(opts: dict[str, Any]
     from spark_dilation.transfer.sender import deliver_manifest, send_partition
 
     parts = [table(20_000, start=p * 20_000) for p in range(2)]
-    session = SenderSession.open(parts[0].schema, TransferOptions(**opts))
-    received: dict[str, Any] = {}
-
-    def receive() -> None:
-        try:
-            received["result"] = receive_dataset(session.code, lanes=2, **opts)
-        except BaseException as e:
-            received["error"] = e
-
-    receiver = threading.Thread(target=receive, daemon=True)
-    receiver.start()
-    spec = session.wait()
+    spec, receiver, received = agree(parts[0].schema, opts)
     assert start_sender_host(spec)
     wait_until(socket_path(spec).exists, 60, "the sender host's socket")
     host_pid = int((host_dir(spec) / "host.pid").read_text())
