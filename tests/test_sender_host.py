@@ -158,3 +158,41 @@ def test_a_host_that_dies_mid_partition_is_a_retryable_loss(opts: dict[str, Any]
     receiver.join(120)
     assert "error" not in received, received.get("error")
     assert received["result"].table.sort_by("id").equals(pa.concat_tables(parts))
+
+
+def test_the_host_runs_the_session_for_writer(opts: dict[str, Any], tmp_path: Path) -> None:
+    """writer()'s path: the host agrees on the code, hands the spec over, then serves."""
+    from spark_dilation.errors import PeerTimeoutError
+    from spark_dilation.transfer.hostlink import HostLaunch
+
+    # Nobody uses the code: the session's own error, same class and message.
+    launch = HostLaunch(table(1).schema, TransferOptions(**opts, peer_timeout=2), "5-nobody")
+    with pytest.raises(PeerTimeoutError, match="nobody used the code 5-nobody within 2 seconds"):
+        launch.wait_spec()
+    assert not launch.dir.exists()
+
+    parts = [table(10_000, start=p * 10_000) for p in range(3)]
+    launch = HostLaunch(parts[0].schema, TransferOptions(**opts), "6-host-session")
+    received: dict[str, Any] = {}
+
+    def receive() -> None:
+        try:
+            received["result"] = receive_dataset("6-host-session", lanes=2, **opts)
+        except BaseException as e:
+            received["error"] = e
+
+    receiver = threading.Thread(target=receive, daemon=True)
+    receiver.start()
+    spec = launch.wait_spec()
+    assert spec.lanes == 2 and spec.schema.equals(parts[0].schema)
+    assert not (launch.dir / "spec.pkl").exists()  # the secret does not stay on disk
+    committed = []
+    for p, part in enumerate(parts):
+        got = send_partition_via_host(spec, p, 0, iter(part.to_batches()))
+        assert got is not None  # the host was serving before the spec came back
+        committed.append(got[0])
+    assert deliver_manifest_via_host(spec, committed) == 0
+    receiver.join(120)
+    assert "error" not in received, received.get("error")
+    assert received["result"].table.sort_by("id").equals(pa.concat_tables(parts))
+    wait_until(lambda: not launch.dir.exists(), 60, "the host to remove its files")

@@ -2,13 +2,16 @@
 
 What runs where (PySpark 4.3, see DESIGN.md):
 
-- Sender: ``DilationDataSource.writer()`` runs the session over the code in
-  a planner worker and returns a :class:`DilationArrowWriter` holding the
+- Sender: ``DilationDataSource.writer()`` (a planner worker) starts the
+  sender host, which runs the session over the code (``sender_host=false``:
+  the planner runs it), and returns a :class:`DilationArrowWriter` holding the
   :class:`~spark_dilation.transfer.spec.TransferSpec`. Spark pickles it to the
-  tasks; each ``write()`` streams its partition to lane ``p mod lanes`` over
-  the process's shared Dilation connection to that lane and returns when the
-  lane confirmed it. ``commit()`` (another worker) delivers the manifest to
-  every lane and logs the transfer report; ``abort()`` tells the lanes.
+  tasks; each ``write()`` hands its partition to the host on this machine
+  (:mod:`~spark_dilation.transfer.hostlink`) or, with no host here, streams it
+  to lane ``p mod lanes`` over the process's shared Dilation connection to
+  that lane; either way it returns when the lane confirmed it. ``commit()``
+  (another worker) delivers the manifest to every lane (through the host if
+  one runs here) and logs the transfer report; ``abort()`` tells the lanes.
 - Receiver: ``schema()`` runs the session (or, if the code carries a plain
   file, receives it as before); :class:`DatasetReader` has one partition per
   lane; ``read()`` yields the lane's rows from its staging.

@@ -210,7 +210,6 @@ class DilationDataSource(DataSource):
 
         ``append`` and ``overwrite`` both mean "send"; runs in a planner worker.
         """
-        from ..transfer.session import SenderSession
         from .dataset import DilationArrowWriter
 
         opts = {k.lower(): v for k, v in self.options.items()}
@@ -229,13 +228,18 @@ class DilationDataSource(DataSource):
             )
         options = TransferOptions.from_strings(opts, ignore=("code", "path"))
         arrow_schema = to_arrow_schema(schema, timezone="UTC")
-        session = SenderSession.open(arrow_schema, options, code=code, source="spark")
-        spec = session.wait()
-        log.info("dataset transfer %s agreed: %d lanes", spec.transfer_id, spec.lanes)
         if options.sender_host:
-            from ..transfer.hostlink import start_sender_host
+            from ..transfer.hostlink import HostLaunch
 
-            start_sender_host(spec)
+            # The sender host runs the session and then serves the tasks: this
+            # planner worker waits without loading the network stack itself.
+            spec = HostLaunch(arrow_schema, options, code).wait_spec()
+        else:
+            from ..transfer.session import SenderSession
+
+            session = SenderSession.open(arrow_schema, options, code=code, source="spark")
+            spec = session.wait()
+        log.info("dataset transfer %s agreed: %d lanes", spec.transfer_id, spec.lanes)
         return DilationArrowWriter(spec, time.time())
 
 

@@ -1,12 +1,14 @@
 """Spark tasks' side of the sender host: hand a partition over a local socket.
 
 ``DilationDataSource.writer()`` starts one sender host per transfer on the
-driver's machine (:func:`start_sender_host`, option ``sender_host``). A task
-or the commit on that machine hands its work to the host, which holds the
-Dilation connections to the lanes (:mod:`.senderhost`); the task encodes its
-partition (Arrow IPC, checksum) and never loads Twisted, pairs with a lane or
-opens a connection. Where no host runs (another machine, ``sender_host``
-false, the host gone), the caller sends in-process (:mod:`.sender`).
+driver's machine (:class:`HostLaunch`, option ``sender_host``): the host runs
+the session over the code and hands the agreed spec back to ``writer()``,
+which then loads no network stack of its own. A task or the commit on that
+machine hands its work to the host, which holds the Dilation connections to
+the lanes (:mod:`.senderhost`); the task encodes its partition (Arrow IPC,
+checksum) and never loads Twisted, pairs with a lane or opens a connection.
+Where no host runs (another machine, ``sender_host`` false, the host gone),
+the caller sends in-process (:mod:`.sender`).
 
 The local protocol (a Unix socket in a 0700 directory; both ends are this
 package, same version)::
@@ -27,6 +29,7 @@ import hmac
 import json
 import os
 import pickle
+import shutil
 import socket
 import struct
 import subprocess
@@ -73,31 +76,91 @@ def host_token(spec: TransferSpec) -> bytes:
 
 
 def start_sender_host(spec: TransferSpec) -> bool:
-    """Start this machine's sender host for ``spec`` in the background (no waiting).
+    """Start this machine's sender host for an agreed ``spec`` (no waiting).
 
     Returns False (and the tasks send in-process) when the socket path would
     be too long for this system.
     """
-    if len(str(socket_path(spec)).encode()) > _AF_UNIX_PATH_MAX:
+    if not socket_path_fits(spec):
         return False
-    directory = host_dir(spec)
+    directory = _private_dir(host_dir(spec))
+    _spawn(directory, "--spec", _write_private(directory, spec), directory / "host.log")
+    return True
+
+
+def socket_path_fits(spec: TransferSpec) -> bool:
+    return len(str(socket_path(spec)).encode()) <= _AF_UNIX_PATH_MAX
+
+
+class HostLaunch:
+    """A sender host that first runs the session over the code (``writer()``).
+
+    The planner worker that calls ``writer()`` then needs no network stack
+    of its own: it waits for the agreed spec (:meth:`wait_spec`), or for the
+    session's error, which it raises as the same class with the same message.
+    """
+
+    def __init__(self, schema: pa.Schema, options: Any, code: str) -> None:
+        self.dir = _private_dir(
+            Path(tempfile.gettempdir()) / "spark-dilation" / f"start-{uuid.uuid4().hex}"
+        )
+        self.peer_timeout = float(options.peer_timeout)
+        start = _write_private(self.dir, {"schema": schema, "options": options, "code": code})
+        self.proc = _spawn(self.dir, "--session", start, self.dir / "host.log")
+
+    def wait_spec(self) -> TransferSpec:
+        """The agreed spec, once the receiver used the code (bounded by ``peer_timeout``)."""
+        deadline = time.monotonic() + self.peer_timeout + 60  # + the host's own start
+        while True:
+            if (self.dir / "spec.pkl").exists():
+                with open(self.dir / "spec.pkl", "rb") as f:
+                    spec = pickle.load(f)
+                os.unlink(self.dir / "spec.pkl")  # it holds the transfer secret
+                return spec
+            if (self.dir / "error.json").exists():
+                error = json.loads((self.dir / "error.json").read_text())
+                self.proc.wait(10)
+                shutil.rmtree(self.dir, ignore_errors=True)  # the error says it all
+                raise rebuild_error(error["type"], error["message"], error.get("module", ""))
+            if self.proc.poll() is not None and not (self.dir / "spec.pkl").exists():
+                raise TransferError(
+                    f"the sender process exited (code {self.proc.returncode}) before the "
+                    f"session over the code was agreed; see {self.dir / 'host.log'}"
+                )
+            if time.monotonic() > deadline:
+                self.proc.kill()
+                raise TransferError(
+                    f"the sender process did not agree on the code within "
+                    f"{self.peer_timeout:g} s (option peer_timeout); see {self.dir / 'host.log'}"
+                )
+            time.sleep(0.02)
+
+
+def _private_dir(directory: Path) -> Path:
     directory.parent.mkdir(parents=True, exist_ok=True)
     directory.mkdir(mode=0o700, exist_ok=True)
-    spec_path = directory / f".spec-{uuid.uuid4().hex}.pkl"
-    fd = os.open(spec_path, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o600)  # holds the secret
+    return directory
+
+
+def _write_private(directory: Path, obj: Any) -> Path:
+    path = directory / f".start-{uuid.uuid4().hex}.pkl"
+    fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o600)  # may hold the secret
     with os.fdopen(fd, "wb") as f:
-        pickle.dump(spec, f)
-    with open(directory / "host.log", "ab") as log_file:
+        pickle.dump(obj, f)
+    return path
+
+
+def _spawn(directory: Path, mode: str, start: Path, log: Path) -> subprocess.Popen:
+    with open(log, "ab") as log_file:
         proc = subprocess.Popen(
-            [sys.executable, "-m", "spark_dilation.transfer.senderhost", str(spec_path)],
+            [sys.executable, "-m", "spark_dilation.transfer.senderhost", mode, str(start)],
             stdin=subprocess.DEVNULL,
             stdout=log_file,
             stderr=log_file,
             start_new_session=True,  # outlives the planner worker that starts it
             close_fds=True,
         )
-    (directory / "host.pid").write_text(str(proc.pid))
-    return True
+    return proc
 
 
 def _pid_alive(pid_file: Path) -> bool:
@@ -188,13 +251,25 @@ _ERRORS: dict[str, type[BaseException]] = {
 }
 
 
-def rebuild_error(name: str, message: str) -> BaseException:
+def rebuild_error(name: str, message: str, module: str = "") -> BaseException:
+    """The host's error as the same class with the same message, where we can."""
     cls = _ERRORS.get(name)
+    if cls is None and module.startswith("spark_dilation.") and "." not in name:
+        import importlib
+
+        with contextlib.suppress(ImportError):
+            found = getattr(importlib.import_module(module), name, None)
+            if isinstance(found, type) and issubclass(found, Exception):
+                cls = found
     if cls is None:
         return TransferError(f"{message} ({name} in this machine's sender host)")
     error = cls.__new__(cls)
     Exception.__init__(error, message)
     return error
+
+
+def error_record(e: BaseException) -> dict[str, str]:
+    return {"type": type(e).__qualname__, "module": type(e).__module__, "message": str(e)}
 
 
 def send_partition_via_host(

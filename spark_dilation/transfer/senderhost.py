@@ -1,12 +1,15 @@
 """The sender host: one process per transfer and machine that holds the connections.
 
-``writer()`` starts it (``python -m spark_dilation.transfer.senderhost SPEC``)
-on the driver's machine while Spark plans the job. It imports the wormhole
-and Dilation stack once, pairs with every lane at once (so the first
-partition does not wait for it) and serves the Spark tasks and the commit of
-this machine over a Unix socket (:mod:`.hostlink` has the local protocol):
-each partition still gets its own subchannel on the host's shared
-connection to its lane, with the same deadlines and errors as in-process.
+``writer()`` starts it (``python -m spark_dilation.transfer.senderhost
+--session FILE``) on the driver's machine. It imports the wormhole and
+Dilation stack once, runs the session over the code, hands the agreed spec
+back to ``writer()`` (``spec.pkl`` in its 0700 directory, read and removed at
+once; a failed session leaves ``error.json`` instead), pairs with every lane
+at once (so the first partition does not wait for it) and serves the Spark
+tasks and the commit of this machine over a Unix socket (:mod:`.hostlink`
+has the local protocol): each partition still gets its own subchannel on
+the host's shared connection to its lane, with the same deadlines and errors
+as in-process. ``--spec FILE`` serves an already agreed transfer.
 
 Why: every sending Python process otherwise imports Twisted, autobahn and
 the crypto libraries (about 0.4 CPU-s) and pairs with each lane (0.1-0.2 s);
@@ -19,6 +22,7 @@ it for ``idle_timeout`` seconds; tasks that find no host send in-process.
 from __future__ import annotations
 
 import contextlib
+import json
 import logging
 import os
 import pickle
@@ -36,11 +40,13 @@ from .hostlink import (
     KIND_MANIFEST,
     KIND_PARTITION,
     MAX_REQUEST,
+    error_record,
     host_dir,
     host_token,
     read_request,
     recv_exactly,
     socket_path,
+    socket_path_fits,
     write_answer,
 )
 from .protocol import CommittedPartition, ProtocolError
@@ -104,6 +110,11 @@ class SenderHost:
             shutil.rmtree(host_dir(self.spec), ignore_errors=True)
         log.info("sender host done (%s)", "delivered" if self._done.is_set() else "idle")
         return 0
+
+    @property
+    def delivered(self) -> bool:
+        """The manifest or the abort went out through this host."""
+        return self._done.is_set()
 
     def _idle_expired(self) -> bool:
         with self._lock:
@@ -198,15 +209,66 @@ class SenderHost:
 
 
 def main(argv: list[str] | None = None) -> int:
-    (spec_path,) = argv if argv is not None else sys.argv[1:]
-    with open(spec_path, "rb") as f:
-        spec = pickle.load(f)
-    os.unlink(spec_path)  # it holds the transfer secret
+    """``--spec FILE``: serve an agreed transfer; ``--session FILE``: agree on the code first."""
+    mode, start_path = argv if argv is not None else sys.argv[1:]
+    with open(start_path, "rb") as f:
+        start = pickle.load(f)
+    os.unlink(start_path)  # it holds the transfer secret (or the code)
     logging.basicConfig(
         level=logging.INFO, format="%(asctime)s sender-host %(name)s %(levelname)s %(message)s"
     )
     logging.getLogger("twisted").setLevel(logging.WARNING)
-    return SenderHost(spec).run()
+    if mode == "--spec":
+        spec = start
+        (host_dir(spec) / "host.pid").write_text(str(os.getpid()))
+        return SenderHost(spec).run()
+    launch_dir = os.path.dirname(start_path)
+    spec = _agree(start, launch_dir)
+    if spec is None:
+        return 1
+    serving = socket_path_fits(spec)
+    if serving:
+        # Before the spec is handed over: a task that finds this pid waits for the socket.
+        directory = host_dir(spec)
+        directory.parent.mkdir(parents=True, exist_ok=True)
+        directory.mkdir(mode=0o700, exist_ok=True)
+        (directory / "host.pid").write_text(str(os.getpid()))
+        with contextlib.suppress(OSError):
+            (directory / "host.log").symlink_to(os.path.join(launch_dir, "host.log"))
+    _write_atomically(os.path.join(launch_dir, "spec.pkl"), pickle.dumps(spec))
+    if not serving:
+        return 0
+    host = SenderHost(spec)
+    code = host.run()
+    if host.delivered:
+        shutil.rmtree(launch_dir, ignore_errors=True)  # else its host.log stays
+    return code
+
+
+def _agree(start: dict, launch_dir: str) -> TransferSpec | None:
+    """The session over the code, as ``writer()`` used to run it; errors go to error.json."""
+    from .session import SenderSession
+
+    try:
+        session = SenderSession.open(
+            start["schema"], start["options"], code=start["code"], source="spark"
+        )
+        spec = session.wait()
+    except Exception as e:
+        log.info("the session over the code failed: %s", e)
+        body = json.dumps(error_record(e)).encode()
+        _write_atomically(os.path.join(launch_dir, "error.json"), body)
+        return None
+    log.info("dataset transfer %s agreed: %d lanes", spec.transfer_id, spec.lanes)
+    return spec
+
+
+def _write_atomically(path: str, data: bytes) -> None:
+    tmp = f"{path}.tmp"
+    fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o600)
+    with os.fdopen(fd, "wb") as f:
+        f.write(data)
+    os.replace(tmp, path)
 
 
 if __name__ == "__main__":
