@@ -88,21 +88,17 @@ class DilationArrowWriter(DataSourceArrowWriter):
         from ..transfer.protocol import Manifest
 
         sent = [m for m in messages if m is not None]
-        committed = [m.committed for m in sent]
+        manifest = Manifest.of(self.spec.transfer_id, (m.committed for m in sent))
         control = None
         if self.spec.options.sender_host:
             from ..transfer.hostlink import deliver_manifest_via_host
 
-            control = deliver_manifest_via_host(self.spec, committed)
+            control = deliver_manifest_via_host(self.spec, manifest.partitions)
         if control is None:
             from ..transfer.sender import deliver_manifest
 
             _quiet_logs()
-            manifest, control = deliver_manifest(self.spec, committed)
-        else:
-            manifest = Manifest(
-                self.spec.transfer_id, tuple(sorted(committed, key=lambda c: c.partition))
-            )
+            _, control = deliver_manifest(self.spec, manifest.partitions)
         connections, reconnects, path = merge_stats(m.stats for m in sent)
         report = TransferReport(
             rows=manifest.rows,

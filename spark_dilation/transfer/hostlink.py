@@ -45,9 +45,8 @@ from typing import Any
 import pyarrow as pa
 
 from ..errors import TransferError
-from . import partition as errors_module
 from .partition import LaneLostError, PartitionStream
-from .protocol import CommittedPartition, Complete, ProtocolError, SchemaMismatchError
+from .protocol import CommittedPartition, Complete, ProtocolError
 from .report import ConnectionStats
 from .spec import TransferSpec
 
@@ -83,7 +82,7 @@ def start_sender_host(spec: TransferSpec) -> bool:
     """
     if not socket_path_fits(spec):
         return False
-    directory = _private_dir(host_dir(spec))
+    directory = private_dir(host_dir(spec))
     _spawn(directory, "--spec", _write_private(directory, spec), directory / "host.log")
     return True
 
@@ -101,7 +100,7 @@ class HostLaunch:
     """
 
     def __init__(self, schema: pa.Schema, options: Any, code: str) -> None:
-        self.dir = _private_dir(
+        self.dir = private_dir(
             Path(tempfile.gettempdir()) / "spark-dilation" / f"start-{uuid.uuid4().hex}"
         )
         self.peer_timeout = float(options.peer_timeout)
@@ -112,6 +111,9 @@ class HostLaunch:
         """The agreed spec, once the receiver used the code (bounded by ``peer_timeout``)."""
         deadline = time.monotonic() + self.peer_timeout + 60  # + the host's own start
         while True:
+            # Whether it had exited before we look for its files: one that wrote
+            # them and then exited is not mistaken for one that wrote nothing.
+            exited = self.proc.poll() is not None
             if (self.dir / "spec.pkl").exists():
                 with open(self.dir / "spec.pkl", "rb") as f:
                     spec = pickle.load(f)
@@ -121,8 +123,8 @@ class HostLaunch:
                 error = json.loads((self.dir / "error.json").read_text())
                 self.proc.wait(10)
                 shutil.rmtree(self.dir, ignore_errors=True)  # the error says it all
-                raise rebuild_error(error["type"], error["message"], error.get("module", ""))
-            if self.proc.poll() is not None and not (self.dir / "spec.pkl").exists():
+                raise rebuild_error(error)
+            if exited:
                 raise TransferError(
                     f"the sender process exited (code {self.proc.returncode}) before the "
                     f"session over the code was agreed; see {self.dir / 'host.log'}"
@@ -136,7 +138,8 @@ class HostLaunch:
             time.sleep(0.02)
 
 
-def _private_dir(directory: Path) -> Path:
+def private_dir(directory: Path) -> Path:
+    """``directory`` (and its parents), the last one readable by this user alone."""
     directory.parent.mkdir(parents=True, exist_ok=True)
     directory.mkdir(mode=0o700, exist_ok=True)
     return directory
@@ -231,7 +234,7 @@ def _reply(sock: socket.socket, what: str) -> dict:
             f"its log is {host_dir_log(sock)}"
         ) from e
     if "error" in answer:
-        raise rebuild_error(answer["error"], answer.get("message", ""))
+        raise rebuild_error(answer["error"])
     return answer
 
 
@@ -241,20 +244,20 @@ def host_dir_log(sock: socket.socket) -> str:
     return "host.log in the transfer's sender directory"
 
 
-# Errors the host may answer with, by name: the task raises the same class.
-_ERRORS: dict[str, type[BaseException]] = {
-    "LaneNotStartedError": errors_module.LaneNotStartedError,
-    "LaneLostError": LaneLostError,
-    "LaneRefusedError": errors_module.LaneRefusedError,
-    "ProtocolError": ProtocolError,
-    "SchemaMismatchError": SchemaMismatchError,
-}
+def error_record(e: BaseException) -> dict[str, str]:
+    """How the host reports an error: enough to raise the same class with the same message."""
+    return {"type": type(e).__qualname__, "module": type(e).__module__, "message": str(e)}
 
 
-def rebuild_error(name: str, message: str, module: str = "") -> BaseException:
-    """The host's error as the same class with the same message, where we can."""
-    cls = _ERRORS.get(name)
-    if cls is None and module.startswith("spark_dilation.") and "." not in name:
+def rebuild_error(record: dict[str, str]) -> BaseException:
+    """The host's error (:func:`error_record`) as the same class with the same message.
+
+    Only our own exception classes are rebuilt; anything else (a bug in the
+    host) becomes a :class:`TransferError` that names it.
+    """
+    name, module, message = record["type"], record.get("module", ""), record["message"]
+    cls: type | None = None
+    if module.startswith("spark_dilation.") and "." not in name:
         import importlib
 
         with contextlib.suppress(ImportError):
@@ -266,10 +269,6 @@ def rebuild_error(name: str, message: str, module: str = "") -> BaseException:
     error = cls.__new__(cls)
     Exception.__init__(error, message)
     return error
-
-
-def error_record(e: BaseException) -> dict[str, str]:
-    return {"type": type(e).__qualname__, "module": type(e).__module__, "message": str(e)}
 
 
 def send_partition_via_host(
@@ -343,6 +342,19 @@ def read_request(sock: socket.socket, token: bytes) -> tuple[bytes, dict[str, An
     if n > MAX_REQUEST:
         raise ValueError(f"request of {n} bytes")
     return kind, json.loads(recv_exactly(sock, n))
+
+
+def read_frame(sock: socket.socket) -> bytearray | None:
+    """Host side: the next message of a partition, or None at its end marker.
+
+    Each message gets a new buffer: the connection may still hold the last one.
+    """
+    (n,) = _LEN.unpack(recv_exactly(sock, _LEN.size))
+    if n == 0:
+        return None
+    if n > MAX_REQUEST:
+        raise ProtocolError(f"a message of {n} bytes from a task")
+    return recv_exactly(sock, n)
 
 
 def write_answer(sock: socket.socket, answer: dict) -> None:

@@ -27,7 +27,7 @@ import base64
 import hashlib
 import json
 import zlib
-from collections.abc import Iterator
+from collections.abc import Iterable, Iterator
 from dataclasses import asdict, dataclass
 from typing import Any
 
@@ -347,6 +347,11 @@ class CommittedPartition:
 class Manifest:
     transfer_id: str
     partitions: tuple[CommittedPartition, ...]
+
+    @classmethod
+    def of(cls, transfer_id: str, partitions: Iterable[CommittedPartition]) -> Manifest:
+        """The manifest of these committed partitions, in partition order."""
+        return cls(transfer_id, tuple(sorted(partitions, key=lambda c: c.partition)))
 
     def for_lane(self, lane: int) -> list[CommittedPartition]:
         return sorted((c for c in self.partitions if c.lane == lane), key=lambda c: c.partition)

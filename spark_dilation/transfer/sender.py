@@ -317,7 +317,7 @@ def deliver_manifest(
     connections: ConnectionPool | None = None,
 ) -> tuple[Manifest, int]:
     """Deliver the final manifest to every lane: (the manifest, connections opened)."""
-    manifest = Manifest(spec.transfer_id, tuple(sorted(partitions, key=lambda c: c.partition)))
+    manifest = Manifest.of(spec.transfer_id, partitions)
     opened = deliver_control(
         spec, manifest.encode(), timeout=spec.options.lane_start_timeout, connections=connections
     )

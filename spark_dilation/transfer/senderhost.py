@@ -39,12 +39,12 @@ from .hostlink import (
     KIND_ABORT,
     KIND_MANIFEST,
     KIND_PARTITION,
-    MAX_REQUEST,
     error_record,
     host_dir,
     host_token,
+    private_dir,
+    read_frame,
     read_request,
-    recv_exactly,
     socket_path,
     socket_path_fits,
     write_answer,
@@ -54,8 +54,6 @@ from .sender import ConnectionPool, deliver_abort, deliver_manifest, stream_part
 from .spec import TransferSpec
 
 log = logging.getLogger("spark_dilation.transfer.senderhost")
-
-_LEN_SIZE = 4
 
 
 class _TaskGone(TransferError):
@@ -152,10 +150,10 @@ class SenderHost:
                     log.info("%s", e)
                     return
                 except (DilationError, TimeoutError, ProtocolError) as e:
-                    answer = {"error": type(e).__name__, "message": str(e)}
+                    answer = {"error": error_record(e)}
                 except Exception as e:  # a bug: tell the task, keep serving the others
                     log.exception("serving a task")
-                    answer = {"error": type(e).__name__, "message": str(e)}
+                    answer = {"error": error_record(e)}
                 with contextlib.suppress(OSError):
                     write_answer(conn, answer)
         finally:
@@ -193,18 +191,14 @@ class SenderHost:
         """The partition's messages as the task sends them, up to its end marker."""
         while True:
             try:
-                n = int.from_bytes(recv_exactly(conn, _LEN_SIZE), "big")
-                if n == 0:
-                    return
-                if n > MAX_REQUEST:
-                    raise ProtocolError(f"a message of {n} bytes from a task")
-                # A new buffer per message: the connection may still hold the last one.
-                message = recv_exactly(conn, n)
+                message = read_frame(conn)
             except (OSError, EOFError) as e:
                 raise _TaskGone(
                     f"the task sending partition {partition} went away mid-partition "
                     "(its lane drops this attempt)"
                 ) from e
+            if message is None:
+                return
             yield message
 
 
@@ -229,9 +223,7 @@ def main(argv: list[str] | None = None) -> int:
     serving = socket_path_fits(spec)
     if serving:
         # Before the spec is handed over: a task that finds this pid waits for the socket.
-        directory = host_dir(spec)
-        directory.parent.mkdir(parents=True, exist_ok=True)
-        directory.mkdir(mode=0o700, exist_ok=True)
+        directory = private_dir(host_dir(spec))
         (directory / "host.pid").write_text(str(os.getpid()))
         with contextlib.suppress(OSError):
             (directory / "host.log").symlink_to(os.path.join(launch_dir, "host.log"))
