@@ -53,3 +53,21 @@ def sides(monkeypatch: pytest.MonkeyPatch) -> Callable[..., None]:
         monkeypatch.setattr(l1, "make_side", lambda: next(it, None) or original())
 
     return set_sides
+
+
+@pytest.fixture(scope="session")
+def net_clusters(tmp_path_factory: pytest.TempPathFactory) -> Iterator:
+    """Two standalone Spark clusters of namespace machines, shared by the multi-machine tests.
+
+    Fails (never skips) where namespaces cannot be made: CI runs as root on Linux.
+    """
+    from spark_dilation.testing.netcluster import netns_available, start_net_clusters
+
+    ok, reason = netns_available()
+    if not ok:
+        pytest.fail(f"multi-machine tests need network namespaces: {reason}")
+    clusters = start_net_clusters(tmp_path_factory.mktemp("netcluster"))
+    try:
+        yield clusters
+    finally:
+        clusters.close()

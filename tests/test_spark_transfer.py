@@ -24,7 +24,6 @@ import pytest
 from spark_dilation.testing import TcpProxy
 from spark_dilation.testing.peer_process import PeerProcess
 from spark_dilation.transfer import receive_dataset, send_in_background
-from spark_dilation.transfer.sender import LaneNotStartedError
 
 
 def peer(side: str, code: str, servers: Any, tmp: Path, *args: str) -> PeerProcess:
@@ -349,18 +348,17 @@ def test_unsupported_save_mode(spark: Any, mode: str, shown: str) -> None:
 
 def test_more_lanes_than_the_reader_can_run(spark: Any, wormhole_servers: Any, tmp_path: Path):
     """lanes=4 on a 2-slot reader whose lanes start with its tasks (early_lanes=false):
-    the sender names the lane and the option; the reader fails."""
-    _table, (sender, thread, box) = _python_sender(
-        wormhole_servers, tmp_path, 40_000, lane_start_timeout=8
+    the lanes no task slot could run are received by the lane registry on the
+    driver's machine, so nothing waits for a slot; the read tasks copy them."""
+    table, (sender, thread, box) = _python_sender(
+        wormhole_servers, tmp_path, 40_000, lane_start_timeout=60
     )
-    started = time.monotonic()
-    with pytest.raises(Exception, match="the sender aborted the transfer"):
-        _load(spark, sender.code, wormhole_servers, tmp_path, lanes=4, early_lanes="false").count()
+    df = _load(spark, sender.code, wormhole_servers, tmp_path, lanes=4, early_lanes="false")
+    assert df.count() == 40_000
     thread.join(60)
-    error = box.get("error")
-    assert isinstance(error, LaneNotStartedError), box
-    assert "did not start within 8 s" in str(error) and "set option lanes" in str(error)
-    assert time.monotonic() - started < 120
+    assert "error" not in box, box
+    assert box["report"].rows == 40_000
+    assert _rows(df).equals(table.cast(_rows(df).schema))
 
 
 def test_early_lanes_run_more_lanes_than_task_slots(

@@ -23,7 +23,13 @@ from twisted.internet import defer, endpoints, protocol
 from twisted.python.failure import Failure
 
 from ..transit import hints as H
-from ..transit.connector import cancel_pending, local_addresses
+from ..transit.addresses import unmapped
+from ..transit.connector import (
+    cancel_pending,
+    direct_addresses,
+    listen_tcp,
+    log_relay_fallback,
+)
 from . import connection as C
 from .deadline import DeadlineTimer
 from .records import Record
@@ -46,6 +52,8 @@ class L2Protocol(protocol.Protocol):
         self.id = next(_ids)
         self.selected = False
         self.is_relay = False
+        # Selected on the relay although both sides offered direct hints.
+        self.relay_fallback = False
         self.owner: Any = None  # the manager, once selected
         self._held: list[Record] = []
 
@@ -105,7 +113,7 @@ class _Factory(protocol.Factory):
         self.connector, self.relay, self.desc = connector, relay, desc
 
     def buildProtocol(self, addr: Any) -> L2Protocol:
-        desc = self.desc or f"direct from {addr.host}:{addr.port}"
+        desc = self.desc or f"direct from {unmapped(addr.host)}:{addr.port}"
         return self.connector._build(self.relay, desc)
 
 
@@ -139,6 +147,7 @@ class GenerationConnector:
         self._listen_addresses = listen_addresses
         self._selection = Selection(prefer_direct_window)  # the Leader's choice
         self._port: Any = None
+        self._our_direct: list[H.DirectTCPV1Hint] = []
         self._protocols: set[L2Protocol] = set()
         self._pending: list[Any] = []
         self._dialed: set[tuple[str, int, bool]] = set()
@@ -156,14 +165,14 @@ class GenerationConnector:
     @defer.inlineCallbacks
     def start(self) -> Any:
         if not self._no_listen:
-            ep = endpoints.TCP4ServerEndpoint(self._reactor, 0)
-            self._port = yield ep.listen(_Factory(self, False, ""))
+            self._port, families = yield listen_tcp(self._reactor, _Factory(self, False, ""))
             if self.stopped:
                 self._port.stopListening()
                 return
             port = self._port.getHost().port
-            addresses = self._listen_addresses or local_addresses()
-            self._send_hints([H.encode_hint(H.DirectTCPV1Hint(a, port, 0.0)) for a in addresses])
+            addresses = direct_addresses(families, self._listen_addresses)
+            self._our_direct = [H.DirectTCPV1Hint(a, port, 0.0) for a in addresses]
+            self._send_hints([H.encode_hint(h) for h in self._our_direct])
         if self._relays:
             self._send_hints([H.encode_hint(H.RelayV1Hint(tuple(self._relays)))])
             self._dial_relays(self._relays)
@@ -306,6 +315,11 @@ class GenerationConnector:
         if self.leader:
             p.transport.write(bytes(p.conn.select()))
         log.info("dilation connected: %s", p.description)
+        if p.is_relay and self._our_direct and self._peer_direct:
+            p.relay_fallback = True
+            ours = [H.describe(h) for h in self._our_direct]
+            theirs = [H.describe(h) for h in self._peer_direct]
+            log_relay_fallback("the dilation connection", p.description, ours, theirs)
         self._stop_others()
         self._on_selected(p)
 

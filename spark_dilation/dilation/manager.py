@@ -62,6 +62,9 @@ class DilationStatus:
     # L2 connections selected so far; ``connections - 1`` of them were reconnects
     # (``generation`` also counts generations that never connected).
     connections: int = 0
+    # Of those, how many are on the relay although both sides offered direct
+    # hints (a warning is logged for each, with the hints).
+    relay_fallbacks: int = 0
     # While down: since when (reactor time), our retries so far, the last
     # attempt's failure. ``error``: why we gave up (state ``FAILED``).
     down_since: float | None = None
@@ -240,6 +243,7 @@ class DilationManager:
         self._apply_keepalive(self._keepalive.connection_made(now))
         self._status.connection = p.description
         self._status.connections += 1
+        self._status.relay_fallbacks += p.relay_fallback
         self._redial_event(self._redial.connected)
         self._tried.clear()
         self._status.last_error = None

@@ -171,6 +171,12 @@ class DilationDataSource(DataSource):
             self._staged = _inspect_received(settings, result.received)
             return to_spark_schema(self._staged.arrow_schema)
         shutil.rmtree(dest, ignore_errors=True)
+        from ..transfer.readerhost import start_reader_host
+
+        # Any executor may run any lane in a later action: the registry,
+        # alive as long as this application, tells each lane host where its
+        # lane is staged (docs/transfer.md, "Where rows live after load()").
+        result = start_reader_host(result)
         self._spec = result
         log.info("dataset transfer %s agreed: %d lanes", result.transfer_id, result.lanes)
         if _early_lanes(options.early_lanes):

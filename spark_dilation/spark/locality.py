@@ -52,6 +52,12 @@ def is_local_master(master: str | None) -> bool:
 
 def driver_master(pid: int | None = None) -> str | None:
     """The master of the nearest ancestor JVM of ``pid`` (default: this process)."""
+    jvm = driver_jvm_pid(pid)
+    return None if jvm is None else master_from_cmdline(_cmdline(jvm))
+
+
+def driver_jvm_pid(pid: int | None = None) -> int | None:
+    """The pid of the nearest ancestor JVM of ``pid`` (default: this process), if any."""
     pid = os.getpid() if pid is None else pid
     for _ in range(_MAX_DEPTH):
         info = _parent_and_comm(pid)
@@ -59,7 +65,7 @@ def driver_master(pid: int | None = None) -> str | None:
             return None
         parent, comm = info
         if comm == "java":
-            return master_from_cmdline(_cmdline(pid))
+            return pid
         if parent <= 1:
             return None
         pid = parent

@@ -269,6 +269,7 @@ class DatasetSender:
             path=combine_paths(stats.paths),
             seconds=time.monotonic() - started,
             compression=spec.compression,
+            relay_fallbacks=stats.relay_fallbacks,
         )
 
 

@@ -167,21 +167,12 @@ def _spawn(directory: Path, mode: str, start: Path, log: Path) -> subprocess.Pop
 
 
 def _pid_alive(pid_file: Path) -> bool:
+    from .lifetime import alive
+
     try:
-        pid = int(pid_file.read_text())
+        return alive(int(pid_file.read_text()))
     except (OSError, ValueError):
         return False
-    try:
-        os.kill(pid, 0)
-    except ProcessLookupError:
-        return False
-    except PermissionError:
-        return True
-    # A zombie (exited, not reaped by its parent) still answers kill(0).
-    with contextlib.suppress(OSError):
-        if Path(f"/proc/{pid}/stat").read_text().split(") ", 1)[1].startswith("Z"):
-            return False
-    return True
 
 
 def _connect(spec: TransferSpec, kind: bytes, request: dict) -> socket.socket | None:
@@ -265,7 +256,7 @@ def rebuild_error(record: dict[str, str]) -> BaseException:
             if isinstance(found, type) and issubclass(found, Exception):
                 cls = found
     if cls is None:
-        return TransferError(f"{message} ({name} in this machine's sender host)")
+        return TransferError(f"{message} ({name} in a spark-dilation helper process)")
     error = cls.__new__(cls)
     Exception.__init__(error, message)
     return error

@@ -486,12 +486,8 @@ def lane_receiver(spec: TransferSpec, lane: int) -> LaneReceiver | None:
         if current is not None and not (current.finished and current.error is not None):
             return current
         staging = LaneStaging(spec.options.staging_root, spec.transfer_id, lane)
-        staging.ensure()
-        fd = os.open(staging.dir / ".lock", os.O_RDWR | os.O_CREAT, 0o600)
-        try:
-            fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
-        except BlockingIOError:
-            os.close(fd)
+        fd = take_lane_lock(staging)
+        if fd is None:
             return None
         if current is not None:
             _receivers.pop(key, None)
@@ -499,6 +495,18 @@ def lane_receiver(spec: TransferSpec, lane: int) -> LaneReceiver | None:
         _receivers[key] = receiver
         receiver.start()
         return receiver
+
+
+def take_lane_lock(staging: LaneStaging) -> int | None:
+    """The lane's lock on this machine (its file descriptor), or None if a process holds it."""
+    staging.ensure()
+    fd = os.open(staging.dir / ".lock", os.O_RDWR | os.O_CREAT, 0o600)
+    try:
+        fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+    except BlockingIOError:
+        os.close(fd)
+        return None
+    return fd
 
 
 def read_lane(spec: TransferSpec, lane: int) -> Iterator[pa.RecordBatch]:
@@ -565,31 +573,30 @@ class _Faults:
 # --- lane host processes --------------------------------------------------------------------
 
 ERROR_FILE = "error.json"
-# error.json names one of these; anything else is read back as a TransferError.
-_ERRORS: dict[str, type[TransferError]] = {
-    cls.__name__: cls for cls in (CannotHealError, TransferAbortedError, LaneIdleError)
-}
 
 
 def write_host_error(staging: LaneStaging, error: BaseException) -> None:
+    """The lane's error for its read tasks, and copies elsewhere (hostlink's error record)."""
+    from .hostlink import error_record
+
     tmp = staging.dir / f".{ERROR_FILE}.tmp"
-    tmp.write_text(json.dumps({"type": type(error).__name__, "message": str(error)}))
+    tmp.write_text(json.dumps(error_record(error)))
     os.replace(tmp, staging.dir / ERROR_FILE)
 
 
 def _raise_host_error(staging: LaneStaging) -> None:
+    from .hostlink import rebuild_error
+
     path = staging.dir / ERROR_FILE
     if not path.exists():
         return
-    info = json.loads(path.read_text())
-    cls = _ERRORS.get(info.get("type"), TransferError)
-    error = cls.__new__(cls)
-    Exception.__init__(error, info.get("message", "the lane failed"))
-    raise error
+    raise rebuild_error(json.loads(path.read_text()))
 
 
 def host_alive(staging: LaneStaging) -> bool:
     """Whether a process holds the lane's lock (a live receiver)."""
+    if not staging.dir.is_dir():
+        return False  # removed: its host ended with the application
     fd = os.open(staging.dir / ".lock", os.O_RDWR | os.O_CREAT, 0o600)
     try:
         fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
@@ -628,6 +635,7 @@ def _spawn_host(spec: TransferSpec, lane: int, staging: LaneStaging) -> Any:
 
     if host_alive(staging):
         return None
+    staging.ensure()
     spec_path = staging.dir / f".spec-{uuid.uuid4().hex}.pkl"
     fd = os.open(spec_path, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o600)  # holds the secret
     with os.fdopen(fd, "wb") as f:

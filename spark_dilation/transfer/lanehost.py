@@ -1,11 +1,18 @@
-"""The lane host: one lane's receiver in a process of its own.
+"""The lane host: one lane of a loaded dataset on one machine, in a process of its own.
 
 ``read_lane`` starts it (``python -m spark_dilation.transfer.lanehost SPEC
 LANE``) so that receiving does not depend on the Spark Python worker that
 asked for the lane: Spark ends a worker when ``show()`` has its rows and
-kills idle ones. The host holds the lane's lock, stages what arrives, and
-exits when the lane is done (``manifest.json``), failed (``error.json``) or
-heard nothing for ``idle_timeout`` seconds.
+kills idle ones. The host holds the lane's lock on this machine.
+
+With a lane registry (``spec.registry``, every Spark read), the host claims
+its lane there and does what the registry says (:mod:`.registry`): receive
+it from the sender, copy it from a machine that holds it, or report the
+lane's error. Then it serves its complete copy to the other executors and
+lives as long as the reading application: when the registry's link ends,
+it removes the lane's staging and exits. Without a registry (the Python
+API), it exits once the lane is done (``manifest.json``), failed
+(``error.json``) or heard nothing for ``idle_timeout`` seconds.
 """
 
 from __future__ import annotations
@@ -13,9 +20,21 @@ from __future__ import annotations
 import logging
 import os
 import pickle
+import shutil
 import sys
+import threading
+import time
+from typing import Any
 
-from .lane import LaneStaging, lane_receiver, write_host_error
+from ..errors import TransferError
+from .lane import LaneReceiver, LaneStaging, lane_receiver, take_lane_lock, write_host_error
+from .spec import TransferSpec
+
+log = logging.getLogger(__name__)
+
+WAIT_POLL = 0.5  # how often a host asks again when no copy it was told of answered
+COPY_RETRY = 15.0  # how long a host tries the copies it was told of (the registry drops dead ones)
+ORPHAN_LINGER = 30.0  # a host that never reached its registry keeps its error this long
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -29,6 +48,8 @@ def main(argv: list[str] | None = None) -> int:
     )
     logging.getLogger("twisted").setLevel(logging.WARNING)
     staging = LaneStaging(spec.options.staging_root, spec.transfer_id, lane)
+    if spec.registry is not None:
+        return RegisteredLane(spec, lane, staging).run()
     receiver = lane_receiver(spec, lane)
     if receiver is None:
         return 0  # another host holds the lane
@@ -39,6 +60,104 @@ def main(argv: list[str] | None = None) -> int:
     receiver.stop(linger=2.0)
     logging.info("lane %d host done: %s", lane, receiver.error or "complete")
     return 0
+
+
+class RegisteredLane:
+    """One lane on this machine under the application's registry (see the module docstring)."""
+
+    def __init__(self, spec: TransferSpec, lane: int, staging: LaneStaging) -> None:
+        self.spec, self.lane, self.staging = spec, lane, staging
+        self.receiver: LaneReceiver | None = None
+        self.ended = threading.Event()
+
+    def run(self) -> int:
+        from .laneshare import LaneServer, RegistryLink
+
+        fd = take_lane_lock(self.staging)
+        if fd is None:
+            return 0  # another host holds the lane on this machine
+        (self.staging.dir / "host.pid").write_text(str(os.getpid()))
+        try:
+            registry = RegistryLink(self.spec, self._application_ended)
+        except TransferError as e:
+            write_host_error(self.staging, e)
+            time.sleep(ORPHAN_LINGER)  # for the read task to see why; then leave nothing
+            self._remove_staging()
+            return 1
+        server = LaneServer(self.spec, self.lane, self.staging)
+        try:
+            error = self._obtain(registry, server, fd)
+        except Exception as e:  # a bug or the registry lost: say so to the read task
+            log.exception("lane %d: failed", self.lane)
+            error = e if isinstance(e, TransferError) else TransferError(f"lane {self.lane}: {e}")
+        if error is not None:
+            from .hostlink import error_record
+
+            write_host_error(self.staging, error)
+            registry.report({"failed": self.lane, "error": error_record(error)})
+        else:
+            registry.report({"done": self.lane})
+        log.info("lane %d: %s; serving until the application ends", self.lane, error or "complete")
+        self.ended.wait()
+        server.close()
+        return 0
+
+    def _obtain(self, registry: Any, server: Any, fd: int) -> BaseException | None:
+        """Get the complete lane as the registry says; the lane's error, if any."""
+        from .boxlink import LinkError
+        from .hostlink import rebuild_error
+        from .laneshare import fetch_lane
+        from .registry import HostInfo
+
+        copy_deadline: float | None = None
+        while True:
+            complete = self.staging.manifest() is not None
+            answer = registry.claim(self.lane, server.host, complete)
+            action = answer["do"]
+            if action == "serve":
+                return None
+            if action == "error":
+                return rebuild_error(answer["error"])
+            if action == "receive":
+                receiver = LaneReceiver(self.spec, self.lane, self.staging, fd)
+                self.receiver = receiver
+                receiver.start()
+                error = receiver.wait_finished()
+                receiver.stop(linger=2.0)
+                return error
+            assert action == "fetch"
+            copy_deadline = copy_deadline or time.monotonic() + COPY_RETRY
+            for source in answer["sources"]:
+                try:
+                    fetch_lane(self.spec, self.lane, self.staging, HostInfo.from_json(source))
+                    return None
+                except TransferError as e:
+                    if not isinstance(e, LinkError):
+                        return e  # the lane's own error (aborted, cannot heal)
+                    log.warning("lane %d: copy from %s failed: %s", self.lane, source["machine"], e)
+                except Exception as e:  # that copy is gone or broken: the next one
+                    log.warning("lane %d: copy from %s failed: %s", self.lane, source["machine"], e)
+            if time.monotonic() > copy_deadline:
+                return TransferError(
+                    f"lane {self.lane}: no machine that holds a copy of it answered within "
+                    f"{COPY_RETRY:g} s; the executors that staged it may be lost"
+                )
+            time.sleep(WAIT_POLL)
+
+    def _application_ended(self, why: str) -> None:
+        log.info("lane %d: the registry's link ended (%s): removing the staging", self.lane, why)
+        if self.receiver is not None:
+            self.receiver.stop(linger=0)
+        self._remove_staging()
+        self.ended.set()
+        os._exit(0)
+
+    def _remove_staging(self) -> None:
+        shutil.rmtree(self.staging.dir, ignore_errors=True)
+        try:
+            self.staging.dir.parent.rmdir()  # the transfer's directory, once its last lane left
+        except OSError:
+            pass
 
 
 if __name__ == "__main__":

@@ -17,6 +17,7 @@ class ConnectionStats:
     reconnects: int
     paths: tuple[str, ...]  # "direct" / "relay" per connection seen
     reconnecting: int = 0  # connections down right now and being re-established
+    relay_fallbacks: int = 0  # connections relayed although both sides offered direct hints
 
 
 @dataclass(frozen=True)
@@ -32,6 +33,10 @@ class TransferReport:
     path: str  # "direct", "relay", "direct+relay" or "unknown"
     seconds: float
     compression: str = "none"
+    # Connections that went through the relay although both sides offered
+    # direct hints (each logged a warning naming the hints): a firewall or a
+    # routing problem between the machines. In the summary only when non-zero.
+    relay_fallbacks: int = 0
 
     @property
     def rows_per_s(self) -> float:
@@ -42,10 +47,15 @@ class TransferReport:
 
     def summary(self) -> str:
         mb = self.bytes / 1e6
+        fallbacks = (
+            f"{self.relay_fallbacks} relay fallback(s) despite direct hints, "
+            if self.relay_fallbacks
+            else ""
+        )
         return (
             f"{self.rows:,} rows, {mb:,.1f} MB in {self.partitions} partitions over "
             f"{self.lanes} lanes, {self.connections} Dilation connection(s) ({self.path}), "
-            f"{self.reconnects} reconnect(s), {self.seconds:.1f} s "
+            f"{self.reconnects} reconnect(s), {fallbacks}{self.seconds:.1f} s "
             f"({self.rows_per_s:,.0f} rows/s)"
         )
 
@@ -75,16 +85,27 @@ def combine_paths(paths: Iterable[str]) -> str:
     return "+".join(seen) if seen else "unknown"
 
 
-def merge_stats(stats: Iterable[ConnectionStats]) -> tuple[int, int, str]:
-    """(connections, reconnects, path) over the latest stats of each process."""
+def latest_stats(stats: Iterable[ConnectionStats]) -> list[ConnectionStats]:
+    """The latest stats of each process (the most connections opened)."""
     latest: dict[str, ConnectionStats] = {}
     for s in stats:
         old = latest.get(s.process)
         if old is None or s.connections_opened >= old.connections_opened:
             latest[s.process] = s
-    connections = sum(s.connections_opened for s in latest.values())
-    reconnects = sum(s.reconnects for s in latest.values())
-    return connections, reconnects, combine_paths(p for s in latest.values() for p in s.paths)
+    return list(latest.values())
+
+
+def merge_stats(stats: Iterable[ConnectionStats]) -> tuple[int, int, str]:
+    """(connections, reconnects, path) over the latest stats of each process."""
+    latest = latest_stats(stats)
+    connections = sum(s.connections_opened for s in latest)
+    reconnects = sum(s.reconnects for s in latest)
+    return connections, reconnects, combine_paths(p for s in latest for p in s.paths)
+
+
+def merge_relay_fallbacks(stats: Iterable[ConnectionStats]) -> int:
+    """Relay fallbacks over the latest stats of each process (see ``TransferReport``)."""
+    return sum(s.relay_fallbacks for s in latest_stats(stats))
 
 
 @dataclass(frozen=True)

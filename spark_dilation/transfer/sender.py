@@ -146,7 +146,7 @@ class ConnectionPool:
             conns = [c for (t, _), c in self._conns.items() if t == transfer_id]
             opened = self.opened.get(transfer_id, 0)
         paths: list[str] = []
-        reconnects = reconnecting = 0
+        reconnects = reconnecting = fallbacks = 0
         for c in conns:
             try:
                 status = c.status()
@@ -155,7 +155,10 @@ class ConnectionPool:
             paths.append(path_of(status.connection))
             reconnects += reconnects_of(status)
             reconnecting += is_reconnecting(status)
-        return ConnectionStats(process_name(), opened, reconnects, tuple(paths), reconnecting)
+            fallbacks += status.relay_fallbacks
+        return ConnectionStats(
+            process_name(), opened, reconnects, tuple(paths), reconnecting, fallbacks
+        )
 
     def close_transfer(self, transfer_id: str) -> None:
         with self._lock:

@@ -49,6 +49,7 @@ from .hostlink import (
     socket_path_fits,
     write_answer,
 )
+from .lifetime import owner_pid, watch
 from .protocol import CommittedPartition, ProtocolError
 from .sender import ConnectionPool, deliver_abort, deliver_manifest, stream_partition
 from .spec import TransferSpec
@@ -60,9 +61,16 @@ class _TaskGone(TransferError):
     """The task closed its socket before the end of its partition (failed or killed)."""
 
 
+OWNER_ENDED = (
+    "the writing application ended (its Spark driver exited) before it committed the "
+    "transfer; nothing of it will be emitted. Send the dataset again with a new code"
+)
+
+
 class SenderHost:
-    def __init__(self, spec: TransferSpec) -> None:
+    def __init__(self, spec: TransferSpec, owner: int | None = None) -> None:
         self.spec = spec
+        self.owner = owner
         self.pool = ConnectionPool()
         self.token = host_token(spec)
         self.idle = spec.options.idle_timeout
@@ -88,6 +96,7 @@ class SenderHost:
         log.info("sender host of transfer %s listening", self.spec.transfer_id)
         for lane in range(self.spec.lanes):
             threading.Thread(target=self._warm, args=(lane,), daemon=True).start()
+        watch(self.owner, self._owner_ended, self._done)
         try:
             while not self._done.is_set() and not self._idle_expired():
                 try:
@@ -108,6 +117,16 @@ class SenderHost:
             shutil.rmtree(host_dir(self.spec), ignore_errors=True)
         log.info("sender host done (%s)", "delivered" if self._done.is_set() else "idle")
         return 0
+
+    def _owner_ended(self) -> None:
+        """The writing application is gone without a commit or an abort: tell every lane."""
+        log.warning("the writing application (pid %s) ended: aborting the transfer", self.owner)
+        try:
+            deliver_abort(self.spec, OWNER_ENDED, 30.0, connections=self.pool)
+        except Exception as e:  # the lanes' own deadlines still end them
+            log.warning("could not deliver the abort: %s", e)
+        finally:
+            self._done.set()
 
     @property
     def delivered(self) -> bool:
@@ -205,6 +224,7 @@ class SenderHost:
 def main(argv: list[str] | None = None) -> int:
     """``--spec FILE``: serve an agreed transfer; ``--session FILE``: agree on the code first."""
     mode, start_path = argv if argv is not None else sys.argv[1:]
+    owner = owner_pid()  # now, while the planner worker that started us still runs
     with open(start_path, "rb") as f:
         start = pickle.load(f)
     os.unlink(start_path)  # it holds the transfer secret (or the code)
@@ -215,7 +235,7 @@ def main(argv: list[str] | None = None) -> int:
     if mode == "--spec":
         spec = start
         (host_dir(spec) / "host.pid").write_text(str(os.getpid()))
-        return SenderHost(spec).run()
+        return SenderHost(spec, owner).run()
     launch_dir = os.path.dirname(start_path)
     spec = _agree(start, launch_dir)
     if spec is None:
@@ -230,7 +250,7 @@ def main(argv: list[str] | None = None) -> int:
     _write_atomically(os.path.join(launch_dir, "spec.pkl"), pickle.dumps(spec))
     if not serving:
         return 0
-    host = SenderHost(spec)
+    host = SenderHost(spec, owner)
     code = host.run()
     if host.delivered:
         shutil.rmtree(launch_dir, ignore_errors=True)  # else its host.log stays

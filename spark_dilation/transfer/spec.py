@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from functools import cached_property
 
 import pyarrow as pa
@@ -26,6 +26,12 @@ class TransferSpec:
     schema_ipc: bytes
     compression: str
     options: TransferOptions
+    # The reading application's lane registry (addresses, port), set by
+    # ``load()``; None: lanes hold their own staging only (the Python API).
+    registry: tuple[tuple[str, ...], int] | None = None
+
+    def with_registry(self, addresses: tuple[str, ...], port: int) -> TransferSpec:
+        return replace(self, registry=(tuple(addresses), port))
 
     @cached_property
     def schema(self) -> pa.Schema:

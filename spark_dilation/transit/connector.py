@@ -17,12 +17,14 @@ from collections import deque
 from typing import Any, BinaryIO
 
 from twisted.internet import defer, endpoints, protocol
-from twisted.internet.interfaces import IPushProducer
+from twisted.internet.error import UnsupportedAddressFamily
+from twisted.internet.interfaces import IPushProducer, IReactorSocket
 from twisted.python.failure import Failure
 from zope.interface import implementer
 
 from . import hints as H
 from . import protocol as P
+from .addresses import LOOPBACK, family_of, local_addresses, unmapped
 
 log = logging.getLogger(__name__)
 
@@ -44,24 +46,53 @@ def cancel_pending(items: list[Any]) -> None:
     items.clear()
 
 
-def local_addresses() -> list[str]:
-    """Addresses a peer may reach us on: the default route's, else loopback.
+@defer.inlineCallbacks
+def listen_tcp(reactor: Any, factory: protocol.Factory) -> Any:
+    """Listen on an ephemeral port of every interface; fires with ``(port, families)``.
 
-    Like the reference we drop loopback when a real interface exists. Finding
-    the default route uses a UDP ``connect()``, which sends nothing.
+    One IPv6 socket with ``IPV6_V6ONLY`` off takes IPv4 connections too
+    (whatever ``net.ipv6.bindv6only`` says), so IPv6 hints are reachable as
+    well; without IPv6, or with a reactor that cannot adopt a socket, IPv4
+    only. ``families`` says which of ``AF_INET``/``AF_INET6`` the port serves.
     """
-    addresses = []
-    for probe in ("192.0.2.1", "2001:db8::1"):
-        family = socket.AF_INET6 if ":" in probe else socket.AF_INET
-        try:
-            with socket.socket(family, socket.SOCK_DGRAM) as s:
-                s.connect((probe, 9))
-                addr = s.getsockname()[0]
-        except OSError:
-            continue
-        if addr and not addr.startswith(("127.", "::1", "fe80")):
-            addresses.append(addr)
-    return addresses or ["127.0.0.1"]
+    port = _listen_dual_stack(reactor, factory)
+    if port is not None:
+        return port, frozenset({socket.AF_INET, socket.AF_INET6})
+    port = yield endpoints.TCP4ServerEndpoint(reactor, 0).listen(factory)
+    return port, frozenset({socket.AF_INET})
+
+
+def _listen_dual_stack(reactor: Any, factory: protocol.Factory) -> Any:
+    if not (socket.has_ipv6 and IReactorSocket.providedBy(reactor)):
+        return None
+    try:
+        with socket.socket(socket.AF_INET6, socket.SOCK_STREAM) as s:
+            s.setsockopt(socket.IPPROTO_IPV6, socket.IPV6_V6ONLY, 0)
+            s.bind(("::", 0))
+            s.listen(50)
+            s.setblocking(False)
+            return reactor.adoptStreamPort(s.fileno(), socket.AF_INET6, factory)  # a dup of s
+    except (OSError, UnsupportedAddressFamily):
+        return None  # no IPv6 here
+
+
+def direct_addresses(families: frozenset[int], listen_addresses: list[str] | None) -> list[str]:
+    """The addresses for our direct hints: the caller's, else ours that ``families`` serve."""
+    if listen_addresses:
+        return list(listen_addresses)
+    return [a for a in local_addresses() if family_of(a) in families] or [LOOPBACK]
+
+
+def log_relay_fallback(what: str, path: str, ours: list[str], theirs: list[str]) -> None:
+    """Say that ``what`` ended up on the relay although both sides offered direct hints."""
+    log.warning(
+        "%s is on the relay (%s) although both sides offered direct hints "
+        "(ours: %s; theirs: %s): none of them connected in time",
+        what,
+        path,
+        ", ".join(dict.fromkeys(ours)),
+        ", ".join(dict.fromkeys(theirs)),
+    )
 
 
 class TransitConnection(protocol.Protocol):
@@ -228,7 +259,7 @@ class _Factory(protocol.ClientFactory):
         self._connector, self._relay, self._desc = connector, relay, desc
 
     def buildProtocol(self, addr: Any) -> TransitConnection:
-        desc = self._desc or f"from {addr.host}:{addr.port}"
+        desc = self._desc or f"from {unmapped(addr.host)}:{addr.port}"
         return self._connector._build(self._relay, desc)
 
 
@@ -284,10 +315,10 @@ class TransitConnector:
         if self._my_hints is None:
             hints: list[H.Hint] = []
             if not self._no_listen:
-                ep = endpoints.TCP4ServerEndpoint(self._reactor, 0)
-                self._listening_port = yield ep.listen(_Factory(self, False, ""))
+                factory = _Factory(self, False, "")
+                self._listening_port, families = yield listen_tcp(self._reactor, factory)
                 port = self._listening_port.getHost().port
-                for addr in self._listen_addresses or local_addresses():
+                for addr in direct_addresses(families, self._listen_addresses):
                     hints.append(H.DirectTCPV1Hint(addr, port, 0.0))
             hints.extend(self._relays)
             self._my_hints = [H.encode_hint(h) for h in hints]
@@ -368,6 +399,12 @@ class TransitConnector:
     def _won(self, conn: TransitConnection) -> None:
         """The winner negotiated: records may flow, hand it out."""
         log.info("transit connected: %s", conn.description)
+        if conn.description.startswith("relay ") and self._their_direct:
+            mine = H.parse_hints(self._my_hints or [])
+            ours = [H.describe(h) for h in mine if isinstance(h, H.DirectTCPV1Hint)]
+            if ours:
+                theirs = [H.describe(h) for h in self._their_direct]
+                log_relay_fallback("the transit connection", conn.description, ours, theirs)
         assert self._result is not None
         if not self._result.called:
             self._result.callback(conn)

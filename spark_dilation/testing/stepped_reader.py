@@ -1,0 +1,104 @@
+"""A receiving Spark application that runs actions on one loaded DataFrame when told to.
+
+Multi-machine tests change the cluster between actions (lose a worker, add
+one) and check each action's result::
+
+    python -m spark_dilation.testing.stepped_reader --code C --mailbox URL --relay URL \\
+        --master spark://... --control DIR [--option KEY=VALUE ...]
+
+It loads the dataset, writes ``DIR/loaded.json``, then waits for
+``DIR/step-N.json`` (``{"action": A}``, N = 1, 2, ...) and answers each with
+``DIR/result-N.json``: ``{"action", "seconds", ...}`` and the action's result,
+or ``{"error": "Class: message"}``. Actions: ``show`` (rows shown), ``digest``
+(see :func:`.spark_peer.digest`), ``count``, ``filter_count`` (rows with an
+even ``id``), ``parquet`` (write to ``{"path"}``, read back, digest) and
+``stop``.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import sys
+import time
+from pathlib import Path
+from typing import Any
+
+from .spark_peer import digest, session
+
+
+def _write(path: Path, body: dict[str, Any]) -> None:
+    tmp = path.with_suffix(".tmp")
+    tmp.write_text(json.dumps(body))
+    os.replace(tmp, path)
+
+
+def run_action(spark: Any, df: Any, step: dict[str, Any]) -> dict[str, Any]:
+    action = step["action"]
+    if action == "show":
+        rows = df.limit(5).collect()  # what show() runs: lane 0 first, more only if short
+        df.show(3, truncate=30)
+        return {"shown": len(rows)}
+    if action == "digest":
+        return {"digest": digest(df)}
+    if action == "count":
+        return {"count": df.count()}
+    if action == "filter_count":
+        return {"count": df.filter("id % 2 = 0").count()}
+    if action == "parquet":
+        df.write.mode("overwrite").parquet(step["path"])
+        return {"digest": digest(spark.read.parquet(step["path"]))}
+    raise ValueError(f"unknown action {action!r}")
+
+
+def main(argv: list[str] | None = None) -> int:
+    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    p.add_argument("--code", required=True)
+    p.add_argument("--mailbox", required=True)
+    p.add_argument("--relay")
+    p.add_argument("--master", required=True)
+    p.add_argument("--control", required=True)
+    p.add_argument("--option", action="append", default=[], help="KEY=VALUE for format(dilation)")
+    p.add_argument("--conf", action="append", default=[], help="KEY=VALUE for the SparkSession")
+    p.add_argument("--step-timeout", type=float, default=900.0)
+    args = p.parse_args(argv)
+    control = Path(args.control)
+    options = dict(o.split("=", 1) for o in args.option)
+    options.update(code=args.code, mailbox=args.mailbox)
+    if args.relay:
+        options["relay"] = args.relay
+    spark = session(
+        args.master, "spark-dilation-stepped-reader", dict(c.split("=", 1) for c in args.conf)
+    )
+    try:
+        df = spark.read.format("dilation").options(**options).load()
+    except Exception as e:
+        _write(control / "loaded.json", {"error": f"{type(e).__name__}: {e}"[:4000]})
+        return 1
+    _write(control / "loaded.json", {"schema": df.schema.json()})
+    n = 1
+    while True:
+        path = control / f"step-{n}.json"
+        deadline = time.monotonic() + args.step_timeout
+        while not path.exists():
+            if time.monotonic() > deadline:
+                return 2
+            time.sleep(0.1)
+        step = json.loads(path.read_text())
+        if step["action"] == "stop":
+            spark.stop()
+            _write(control / f"result-{n}.json", {"action": "stop"})
+            return 0
+        started = time.monotonic()
+        try:
+            result = run_action(spark, df, step)
+        except Exception as e:  # one line for the test; the traceback went to stderr
+            result = {"error": f"{type(e).__name__}: {e}"[:4000]}
+        result.update(action=step["action"], seconds=round(time.monotonic() - started, 2))
+        _write(control / f"result-{n}.json", result)
+        n += 1
+
+
+if __name__ == "__main__":
+    sys.exit(main())

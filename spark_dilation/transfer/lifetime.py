@@ -1,0 +1,58 @@
+"""How our helper processes know when to end: they watch the process that owns them.
+
+A helper (the sender host, the reader host) outlives the short-lived Spark
+planner worker that starts it, in a session of its own; its *owner* is the
+Spark application's driver JVM, the nearest ``java`` ancestor at the time it
+starts. When the owner ends (the application finished, crashed or was
+killed), the helper does its last duty (tell the peers, close the links)
+and exits, within :data:`POLL` seconds.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import os
+import threading
+from collections.abc import Callable
+from pathlib import Path
+
+POLL = 0.5
+
+
+def alive(pid: int) -> bool:
+    """Whether ``pid`` runs (a zombie, exited but not reaped, does not)."""
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    except PermissionError:
+        return True
+    with contextlib.suppress(OSError, IndexError):
+        if Path(f"/proc/{pid}/stat").read_text().split(") ", 1)[1].startswith("Z"):
+            return False
+    return True
+
+
+def owner_pid() -> int | None:
+    """The driver JVM above this process, else its parent (None if that is init)."""
+    from ..spark.locality import driver_jvm_pid
+
+    jvm = driver_jvm_pid()
+    if jvm is not None:
+        return jvm
+    parent = os.getppid()
+    return parent if parent > 1 else None
+
+
+def watch(pid: int | None, on_end: Callable[[], None], stop: threading.Event) -> None:
+    """Call ``on_end`` (in a daemon thread) once ``pid`` has ended, unless ``stop`` is set."""
+    if pid is None:
+        return
+
+    def run() -> None:
+        while not stop.wait(POLL):
+            if not alive(pid):
+                on_end()
+                return
+
+    threading.Thread(target=run, name=f"watch-{pid}", daemon=True).start()

@@ -1,0 +1,225 @@
+"""The reader host: the lane registry of one loaded dataset, for as long as its application runs.
+
+``DilationDataSource.schema()`` (``load()``, on the driver's machine) starts
+it with :func:`start_reader_host` once the code is agreed. It listens on
+every interface of the driver's machine (the executors reach the driver, so
+they reach this too) and keeps the :class:`~.registry.LaneRegistry`: every
+lane host of the transfer, on any executor, claims its lane here and stays
+connected. It watches the process that owns the DataFrame (the driver JVM):
+when that ends, the host closes every link, and each lane host removes its
+staged rows and exits. So a loaded DataFrame stays readable, from any
+executor, as long as its application runs and one machine holding each lane
+does; and nothing is left behind when the application ends.
+
+Frames (:mod:`.boxlink`, JSON)::
+
+    lane host -> registry: {"claim": L, "host": HostInfo, "complete": bool}   answer {"do": ...}
+                           {"done": L} | {"failed": L, "error": record} | {"ping": 1}
+    registry -> lane host: {"do": ...} (answers, in order) | {"ping": 1}
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import os
+import pickle
+import socket
+import subprocess
+import sys
+import threading
+import time
+import uuid
+from pathlib import Path
+from typing import Any
+
+from ..errors import TransferError
+from .boxlink import BoxLink, LinkError, advertised_addresses, link_key, listen
+from .lifetime import alive, owner_pid
+from .registry import HostInfo, LaneRegistry
+from .spec import TransferSpec
+
+log = logging.getLogger(__name__)
+
+PING = 2.0  # both ends of a registry link send a ping this often
+SILENCE = 10.0  # a link silent this long is dead (its machine is lost)
+START_WAIT = 30.0
+# Seconds after the first lane's claim before the registry receives the
+# unclaimed lanes itself (no free task slot for them: show(), busy slots,
+# more lanes than slots).
+LANE_GRACE = 5.0
+
+
+def registry_key(spec: TransferSpec) -> bytes:
+    return link_key(spec.secret, "lane registry")
+
+
+class ReaderHost:
+    def __init__(self, spec: TransferSpec, owner: int) -> None:
+        self.spec = spec
+        self.owner = owner
+        self.registry = LaneRegistry(spec.lanes)
+        self.lock = threading.Lock()
+        self.links: set[BoxLink] = set()
+        self.stopping = threading.Event()
+        self.server = listen()
+
+    def run(self, ready_path: Path) -> int:
+        port = self.server.getsockname()[1]
+        ready = {"addresses": advertised_addresses(), "port": port, "pid": os.getpid()}
+        tmp = ready_path.with_suffix(".tmp")
+        tmp.write_text(json.dumps(ready))
+        os.replace(tmp, ready_path)
+        log.info("lane registry of %s on %s", self.spec.transfer_id, ready)
+        threading.Thread(target=self._accept, daemon=True).start()
+        hosted = self.spec.with_registry(tuple(ready["addresses"]), port)
+        while alive(self.owner):
+            time.sleep(0.5)
+            with self.lock:
+                lanes = self.registry.unclaimed(time.monotonic(), LANE_GRACE)
+            for lane in lanes:
+                self._host_lane(hosted, lane)
+        log.info("the application (pid %d) ended: closing every lane host's link", self.owner)
+        self.stopping.set()
+        with self.lock:
+            links = list(self.links)
+        for link in links:
+            link.close()
+        self.server.close()
+        return 0
+
+    def _host_lane(self, spec: TransferSpec, lane: int) -> None:
+        """Receive a lane that no read task could start, here on the driver's machine."""
+        from .lane import LaneStaging, ensure_host
+
+        log.info("lane %d: no read task claimed it in %g s; receiving it here", lane, LANE_GRACE)
+        with self.lock:
+            self.registry.lanes[lane].claimed = True  # its host's claim follows
+        try:
+            ensure_host(spec, lane, LaneStaging(spec.options.staging_root, spec.transfer_id, lane))
+        except Exception as e:  # the read tasks still start it where they run
+            log.warning("lane %d: could not start it here: %s", lane, e)
+
+    def _accept(self) -> None:
+        while not self.stopping.is_set():
+            try:
+                sock, _ = self.server.accept()
+            except OSError:
+                return
+            threading.Thread(target=self._serve, args=(sock,), daemon=True).start()
+
+    def _serve(self, sock: socket.socket) -> None:
+        link = BoxLink(sock, registry_key(self.spec))
+        with self.lock:
+            self.links.add(link)
+        host: HostInfo | None = None
+        stop_ping = threading.Event()
+        threading.Thread(target=_pinger, args=(link, stop_ping), daemon=True).start()
+        try:
+            while True:
+                message = link.recv_json(SILENCE)
+                if "ping" in message:
+                    continue
+                with self.lock:
+                    if "claim" in message:
+                        if self.registry.first_claim is None:
+                            self.registry.first_claim = time.monotonic()
+                        host = HostInfo.from_json(message["host"])
+                        answer = self.registry.claim(
+                            int(message["claim"]), host, bool(message["complete"])
+                        )
+                        link.send_json(answer)
+                    elif "done" in message and host is not None:
+                        self.registry.done(int(message["done"]), host)
+                    elif "failed" in message and host is not None:
+                        self.registry.failed(int(message["failed"]), host, message["error"])
+                    log.info("%s: %s", message, self.registry.snapshot())
+        except (LinkError, ValueError, KeyError) as e:
+            if not self.stopping.is_set():
+                log.info("lane host %s left: %s", host.machine if host else "?", e)
+        finally:
+            stop_ping.set()
+            link.close()
+            with self.lock:
+                self.links.discard(link)
+                if host is not None and not self.stopping.is_set():
+                    self.registry.gone(host.host_id)
+                    log.info("after %s left: %s", host.machine, self.registry.snapshot())
+
+
+def _pinger(link: BoxLink, stop: threading.Event) -> None:
+    while not stop.wait(PING):
+        try:
+            link.send_json({"ping": 1})
+        except LinkError:
+            return
+
+
+def start_reader_host(spec: TransferSpec, owner: int | None = None) -> TransferSpec:
+    """Start the registry for ``spec``; the spec with its address, for every lane host.
+
+    Runs where ``load()`` ran (the driver's machine), in a process of its own
+    that outlives the planner worker.
+    """
+    from .hostlink import private_dir
+
+    directory = private_dir(
+        Path(spec.options.staging_root) / f"registry-{spec.transfer_id}-{uuid.uuid4().hex[:6]}"
+    )
+    start = directory / "spec.pkl"
+    fd = os.open(start, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o600)  # holds the secret
+    with os.fdopen(fd, "wb") as f:
+        pickle.dump(spec, f)
+    ready = directory / "ready.json"
+    owner = (owner_pid() or os.getpid()) if owner is None else owner
+    with open(directory / "host.log", "ab") as log_file:
+        proc = subprocess.Popen(
+            [
+                sys.executable,
+                "-m",
+                "spark_dilation.transfer.readerhost",
+                str(directory),
+                str(owner),
+            ],
+            stdin=subprocess.DEVNULL,
+            stdout=log_file,
+            stderr=log_file,
+            start_new_session=True,  # outlives the planner worker
+            close_fds=True,
+        )
+    deadline = time.monotonic() + START_WAIT
+    while not ready.exists():
+        if proc.poll() is not None or time.monotonic() > deadline:
+            proc.kill()
+            raise TransferError(
+                f"the lane registry process did not start (see {directory / 'host.log'})"
+            )
+        time.sleep(0.02)
+    info = json.loads(ready.read_text())
+    return spec.with_registry(tuple(info["addresses"]), int(info["port"]))
+
+
+def main(argv: list[str] | None = None) -> int:
+    directory, owner = argv if argv is not None else sys.argv[1:]
+    path = Path(directory)
+    with open(path / "spec.pkl", "rb") as f:
+        spec = pickle.load(f)
+    os.unlink(path / "spec.pkl")  # it holds the transfer secret
+    logging.basicConfig(
+        level=logging.INFO, format="%(asctime)s registry %(name)s %(levelname)s %(message)s"
+    )
+    try:
+        return ReaderHost(spec, int(owner)).run(path / "ready.json")
+    finally:
+        import shutil
+
+        shutil.rmtree(path, ignore_errors=True)
+
+
+def describe(spec: Any) -> str:
+    addresses, port = spec.registry
+    return f"{'/'.join(addresses)}:{port}"
+
+
+if __name__ == "__main__":
+    sys.exit(main())

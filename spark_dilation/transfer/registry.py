@@ -1,0 +1,172 @@
+"""The lane registry's rules: where each lane of a loaded dataset lives (pure, no I/O).
+
+A Spark read places every action's lanes anew: a later ``count()`` may run
+lane 0 on an executor that never received it. The reading application keeps
+one *registry* (run by :mod:`.readerhost` on the driver's machine); every lane
+host claims its lane there before it does anything. The registry answers:
+
+* ``receive``: nobody holds the lane yet; this host receives it from the sender;
+* ``fetch``: the lane is staged on other machines (``sources``), or is being
+  received by another live host: copy it from one of them (following the
+  receiver partition by partition), then serve it too (each copy is a replica);
+* ``serve``: this host already holds the complete lane (its ``manifest.json``);
+* ``error``: the lane failed (the sender aborted, it cannot heal, every copy is
+  gone): the same error, at once, for every later read.
+
+Lane states::
+
+    NONE --claim--> RECEIVING(host) --done--> DONE(replicas)
+    RECEIVING --host gone--> NONE             (a new claim receives; the lane
+                                               itself detects lost partitions)
+    RECEIVING --failed--> FAILED(error)
+    RECEIVING --claim by another host--> RECEIVING (it follows the receiver)
+    DONE --claim--> DONE (fetch from a replica; the fetcher becomes one)
+    DONE --last replica gone--> FAILED(cannot heal)
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Any
+
+NONE, RECEIVING, DONE, FAILED = "none", "receiving", "done", "failed"
+
+
+@dataclass(frozen=True)
+class HostInfo:
+    """A lane host: its id, the machine it says it is on, where it serves its staged lane."""
+
+    host_id: str
+    machine: str
+    addresses: tuple[str, ...]
+    port: int
+
+    def to_json(self) -> dict[str, Any]:
+        return {
+            "host_id": self.host_id,
+            "machine": self.machine,
+            "addresses": list(self.addresses),
+            "port": self.port,
+        }
+
+    @classmethod
+    def from_json(cls, body: dict[str, Any]) -> HostInfo:
+        return cls(
+            str(body["host_id"]),
+            str(body["machine"]),
+            tuple(str(a) for a in body["addresses"]),
+            int(body["port"]),
+        )
+
+
+@dataclass
+class LaneEntry:
+    state: str = NONE
+    receiver: HostInfo | None = None
+    replicas: dict[str, HostInfo] = field(default_factory=dict)
+    lost: list[str] = field(default_factory=list)  # machines whose copy went away
+    error: dict[str, str] | None = None  # an error_record (hostlink.error_record)
+    claimed: bool = False  # some host ever claimed it (else the registry may host it)
+
+
+def cannot_heal_record(lane: int, machines: list[str]) -> dict[str, str]:
+    where = ", ".join(sorted(set(machines))) or "its machine"
+    return {
+        "type": "CannotHealError",
+        "module": "spark_dilation.transfer.lane",
+        "message": (
+            f"lane {lane} cannot heal: every copy of its staged rows is gone (held on {where}, "
+            "whose lane host ended: machine lost or process killed), and the sender has "
+            "finished. Nothing was emitted twice or lost silently; load the DataFrame again "
+            "from a new transfer (a new code), or cache() it after load() next time"
+        ),
+    }
+
+
+class LaneRegistry:
+    """Every lane's state, the hosts' claims and what they are told to do."""
+
+    def __init__(self, lanes: int) -> None:
+        self.lanes = [LaneEntry() for _ in range(lanes)]
+        self.first_claim: float | None = None
+
+    def unclaimed(self, now: float, grace: float) -> list[int]:
+        """Lanes nobody claimed ``grace`` seconds after the first claim: the reader's action
+        runs, but Spark has no slot for them (busy slots, more lanes than slots, or a
+        ``show()`` that runs lane 0 alone). The registry then hosts them itself, so the
+        sender never waits on a task slot; read tasks copy them later."""
+        if self.first_claim is None or now - self.first_claim < grace:
+            return []
+        return [lane for lane, e in enumerate(self.lanes) if not e.claimed and e.state == NONE]
+
+    def _entry(self, lane: int) -> LaneEntry:
+        if not 0 <= lane < len(self.lanes):
+            raise ValueError(f"lane {lane} is not one of the transfer's {len(self.lanes)} lanes")
+        return self.lanes[lane]
+
+    def claim(self, lane: int, host: HostInfo, complete: bool) -> dict[str, Any]:
+        """What ``host`` (``complete``: it holds the finished lane already) must do."""
+        entry = self._entry(lane)
+        entry.claimed = True
+        if entry.state == FAILED:
+            return {"do": "error", "error": entry.error}
+        if complete:
+            entry.replicas[host.host_id] = host
+            if entry.state != DONE:
+                entry.state, entry.receiver = DONE, None
+            return {"do": "serve"}
+        if entry.state == DONE:
+            sources = [h.to_json() for h in entry.replicas.values() if h.host_id != host.host_id]
+            return {"do": "fetch", "sources": sources}
+        if entry.state == RECEIVING:
+            assert entry.receiver is not None
+            if entry.receiver.host_id == host.host_id:
+                return {"do": "receive"}
+            # Follow the receiver: its partitions as they are staged, then the
+            # manifest (a show() may need the first rows before the lane ends).
+            return {"do": "fetch", "sources": [entry.receiver.to_json()]}
+        entry.state, entry.receiver = RECEIVING, host
+        return {"do": "receive"}
+
+    def done(self, lane: int, host: HostInfo) -> None:
+        entry = self._entry(lane)
+        if entry.state == FAILED:
+            return
+        entry.state, entry.receiver = DONE, None
+        entry.replicas[host.host_id] = host
+
+    def failed(self, lane: int, host: HostInfo, error: dict[str, str]) -> None:
+        """The lane's own verdict (the sender's abort, cannot heal, idle): final."""
+        entry = self._entry(lane)
+        if entry.state == DONE:
+            return  # a fetcher's failure; the lane still has its copies
+        entry.state, entry.receiver, entry.error = FAILED, None, error
+        if error.get("type") == "TransferAbortedError":
+            # The sender aborted the whole transfer: no lane can finish.
+            for other in self.lanes:
+                if other.state != FAILED:
+                    other.state, other.receiver, other.error = FAILED, None, error
+
+    def gone(self, host_id: str) -> None:
+        """A host's connection ended: it died, or its machine was lost."""
+        for lane, entry in enumerate(self.lanes):
+            if entry.receiver is not None and entry.receiver.host_id == host_id:
+                entry.state, entry.receiver = NONE, None
+            lost = entry.replicas.pop(host_id, None)
+            if lost is not None:
+                entry.lost.append(lost.machine)
+                if entry.state == DONE and not entry.replicas:
+                    entry.state = FAILED
+                    entry.error = cannot_heal_record(lane, entry.lost)
+
+    def snapshot(self) -> list[dict[str, Any]]:
+        """Each lane's state and the machines holding it (logs, tests)."""
+        return [
+            {
+                "lane": lane,
+                "state": e.state,
+                "receiver": e.receiver.machine if e.receiver else None,
+                "replicas": sorted(h.machine for h in e.replicas.values()),
+            }
+            for lane, e in enumerate(self.lanes)
+        ]

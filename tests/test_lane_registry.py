@@ -1,0 +1,172 @@
+"""The lane registry and copies of staged lanes, with real processes and servers, without Spark.
+
+Each "machine" is a staging directory of its own (what separate executors
+have); the registry runs in its own process, owned by a stand-in for the
+driver JVM (a ``sleep``), exactly as ``load()`` starts it. Sender: the
+Python API over the real mailbox and relay.
+"""
+
+from __future__ import annotations
+
+import os
+import signal
+import subprocess
+import threading
+import time
+from dataclasses import replace
+from pathlib import Path
+from typing import Any
+
+import pyarrow as pa
+import pytest
+
+from spark_dilation.transfer import TransferOptions, send_dataset
+from spark_dilation.transfer.lane import CannotHealError, LaneStaging, read_lane, start_lanes
+from spark_dilation.transfer.readerhost import start_reader_host
+from spark_dilation.transfer.registry import (
+    DONE,
+    FAILED,
+    NONE,
+    RECEIVING,
+    HostInfo,
+    LaneRegistry,
+)
+from spark_dilation.transfer.session import receive_session
+
+
+def host(name: str) -> HostInfo:
+    return HostInfo(name, f"machine-{name}", ("10.0.0.1",), 1)
+
+
+def test_registry_rules() -> None:
+    reg = LaneRegistry(2)
+    assert reg.claim(0, host("a"), complete=False) == {"do": "receive"}
+    following = reg.claim(0, host("b"), complete=False)  # b follows the receiver
+    assert following["do"] == "fetch" and following["sources"][0]["host_id"] == "a"
+    reg.gone("a")  # the receiver died before the lane was done: a new claim receives
+    assert reg.lanes[0].state == NONE
+    assert reg.claim(0, host("b"), complete=False) == {"do": "receive"}
+    assert reg.lanes[0].state == RECEIVING
+    reg.done(0, host("b"))
+    answer = reg.claim(0, host("c"), complete=False)
+    assert answer["do"] == "fetch" and [s["host_id"] for s in answer["sources"]] == ["b"]
+    reg.done(0, host("c"))  # c copied it: two replicas
+    reg.gone("b")
+    assert reg.lanes[0].state == DONE
+    reg.gone("c")
+    assert reg.lanes[0].state == FAILED
+    error = reg.claim(0, host("d"), complete=False)["error"]
+    assert error["type"] == "CannotHealError"
+    assert "machine-b, machine-c" in error["message"]
+    # A complete copy announced by a host (a restarted host on a machine that kept it).
+    assert reg.claim(1, host("e"), complete=True) == {"do": "serve"}
+    assert reg.claim(1, host("f"), complete=False)["do"] == "fetch"
+    # The lane's own verdict is final for everyone.
+    reg2 = LaneRegistry(1)
+    reg2.claim(0, host("a"), complete=False)
+    reg2.failed(0, host("a"), {"type": "TransferAbortedError", "module": "m", "message": "x"})
+    assert reg2.claim(0, host("b"), complete=False)["do"] == "error"
+
+
+def table(rows: int) -> pa.Table:
+    return pa.table(
+        {"id": pa.array(range(rows), pa.int64()), "s": [f"row-{i:07d}" for i in range(rows)]}
+    )
+
+
+def on_machine(spec: Any, root: Path) -> Any:
+    return replace(spec, options=spec.options.with_(staging_dir=str(root)))
+
+
+def read_all(spec: Any, lane: int) -> list[int]:
+    ids: list[int] = []
+    for batch in read_lane(spec, lane):
+        ids.extend(batch.column(0).to_pylist())
+    return ids
+
+
+def host_pid(spec: Any, lane: int) -> int:
+    staging = LaneStaging(spec.options.staging_root, spec.transfer_id, lane)
+    return int((staging.dir / "host.pid").read_text())
+
+
+def wait_gone(pid: int, timeout: float) -> None:
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        try:
+            os.kill(pid, 0)
+        except ProcessLookupError:
+            return
+        # Reap it if it is our child (a zombie still answers kill 0).
+        try:
+            if os.waitpid(pid, os.WNOHANG)[0] == pid:
+                return
+        except ChildProcessError:
+            pass
+        time.sleep(0.05)
+    raise AssertionError(f"process {pid} still runs after {timeout} s")
+
+
+def test_any_machine_reads_any_lane_until_every_copy_is_gone(
+    mailbox_url: str, relay_url: str, tmp_path: Path
+) -> None:
+    data = table(40_000)
+    code = "7-registry-copies"
+    opts = {"mailbox": mailbox_url, "relay": relay_url, "peer_timeout": 60}
+    sent: dict[str, Any] = {}
+
+    def send() -> None:
+        try:
+            sent["report"] = send_dataset(data, code=code, **opts)
+        except BaseException as e:  # reported by the assertion below
+            sent["error"] = e
+
+    sender = threading.Thread(target=send, daemon=True)
+    sender.start()
+    owner = subprocess.Popen(["sleep", "600"])  # the driver JVM's stand-in
+    try:
+        spec = receive_session(code, TransferOptions(lanes=2, **opts))
+        spec = start_reader_host(spec, owner=owner.pid)
+        machine = {name: on_machine(spec, tmp_path / name) for name in "abcd"}
+
+        # First action: machine a receives both lanes from the sender (all lanes at once).
+        start_lanes(machine["a"])
+        first = sorted(read_all(machine["a"], 0) + read_all(machine["a"], 1))
+        sender.join(60)
+        assert "error" not in sent, sent.get("error")
+        assert first == list(range(40_000))
+
+        # A later action runs lane 0 on machine b: it copies a's lane, exactly.
+        lane0 = sorted(read_all(machine["a"], 0))
+        assert sorted(read_all(machine["b"], 0)) == lane0
+        copied = LaneStaging(machine["b"].options.staging_root, spec.transfer_id, 0)
+        assert copied.manifest() is not None
+
+        # Machine a is lost (its host killed, its disk gone): c copies b's copy.
+        os.kill(host_pid(machine["a"], 0), signal.SIGKILL)
+        assert sorted(read_all(machine["c"], 0)) == lane0
+
+        # Every copy gone: d fails at once with the cannot-heal error, not a hang.
+        os.kill(host_pid(machine["b"], 0), signal.SIGKILL)
+        os.kill(host_pid(machine["c"], 0), signal.SIGKILL)
+        started = time.monotonic()
+        with pytest.raises(CannotHealError, match="lane 0 cannot heal"):
+            read_all(machine["d"], 0)
+        assert time.monotonic() - started < 30
+
+        # The application ends: every lane host removes its staging and exits.
+        pids = [host_pid(machine["a"], 1)]
+        owner.kill()
+        owner.wait()
+        for pid in pids:
+            wait_gone(pid, 15)
+        deadline = time.monotonic() + 15
+        while time.monotonic() < deadline:
+            left = [p for p in tmp_path.rglob("*") if p.is_file() and "lane-" in str(p)]
+            left = [p for p in left if not p.parent.name.startswith("lane-0")]
+            if not left:
+                break
+            time.sleep(0.2)
+        assert not left, left
+    finally:
+        owner.kill()

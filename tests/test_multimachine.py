@@ -1,0 +1,242 @@
+"""Spark to Spark between two standalone clusters whose every machine is its own namespace.
+
+Cluster A writes, cluster B reads; each worker has its own address, ``TMPDIR``
+and ``SPARK_LOCAL_DIRS`` (:mod:`spark_dilation.testing.netcluster`), no
+namespace has a default route, and the clusters meet through the relay only
+(or, in the last test, directly). Default options throughout.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import sys
+import time
+from pathlib import Path
+from typing import Any
+
+import pytest
+
+from spark_dilation.testing.netcluster import Cluster, Machine, NetClusters
+
+ROWS = 200_000
+PY = sys.executable
+
+
+def _tail(path: Path, n: int = 60) -> str:
+    return "\n".join(path.read_text(errors="replace").splitlines()[-n:]) if path.exists() else ""
+
+
+def _json_line(log: Path, key: str) -> dict[str, Any] | None:
+    for line in reversed(log.read_text(errors="replace").splitlines()):
+        if line.startswith("{") and f'"{key}"' in line:
+            return json.loads(line)
+    return None
+
+
+def _report(log: Path) -> dict[str, Any]:
+    from spark_dilation.spark.dataset import REPORT_PREFIX
+
+    lines = [ln for ln in log.read_text(errors="replace").splitlines() if REPORT_PREFIX in ln]
+    assert lines, f"no transfer report in {log}:\n{_tail(log)}"
+    return json.loads(lines[-1].split(REPORT_PREFIX, 1)[1])
+
+
+def _wait_file(path: Path, timeout: float, log: Path) -> dict[str, Any]:
+    deadline = time.monotonic() + timeout
+    while not path.exists():
+        assert time.monotonic() < deadline, f"no {path.name} in {timeout} s:\n{_tail(log)}"
+        time.sleep(0.2)
+    return json.loads(path.read_text())
+
+
+class Reader:
+    """The stepped reader application on cluster B (spark_dilation.testing.stepped_reader)."""
+
+    def __init__(self, nc: NetClusters, code: str, name: str) -> None:
+        self.control = nc.log_dir / name
+        self.control.mkdir()
+        self.log = nc.log_dir / f"{name}-reader.log"
+        self.proc = nc.run_driver(
+            nc.b,
+            [
+                PY, "-m", "spark_dilation.testing.stepped_reader", "--code", code,
+                "--mailbox", nc.mailbox_url, "--relay", nc.relay_url,
+                "--master", nc.b.master_url, "--control", str(self.control),
+            ],
+            self.log,
+        )  # fmt: skip
+        self.step_no = 0
+
+    def loaded(self, timeout: float = 300) -> dict[str, Any]:
+        return _wait_file(self.control / "loaded.json", timeout, self.log)
+
+    def step(self, action: str, timeout: float = 600, **extra: Any) -> dict[str, Any]:
+        self.step_no += 1
+        (self.control / f"step-{self.step_no}.json").write_text(
+            json.dumps({"action": action, **extra})
+        )
+        return _wait_file(self.control / f"result-{self.step_no}.json", timeout, self.log)
+
+
+def _send(nc: NetClusters, code: str, name: str, *extra: str) -> tuple[Any, Path]:
+    log = nc.log_dir / f"{name}-writer.log"
+    proc = nc.run_driver(
+        nc.a,
+        [
+            PY, "-m", "spark_dilation.testing.spark_peer", "send", "--code", code,
+            "--mailbox", nc.mailbox_url, "--relay", nc.relay_url, "--master", nc.a.master_url,
+            "--rows", str(ROWS), "--partitions", "4", "--digest", *extra,
+        ],
+        log,
+    )  # fmt: skip
+    return proc, log
+
+
+def _holders(cluster: Cluster) -> dict[int, set[str]]:
+    """Lane -> the machines of ``cluster`` that hold a complete staged copy."""
+    out: dict[int, set[str]] = {}
+    for m in cluster.workers:
+        for manifest in (m.tmp / "spark-dilation").glob("*/lane-*/manifest.json"):
+            out.setdefault(int(manifest.parent.name[5:]), set()).add(m.name)
+    return out
+
+
+def _kill_jvms(cluster: Cluster, machine: Machine) -> None:
+    """The machine's Worker and executor JVMs die (their Python workers follow); its lane
+    hosts, in sessions of their own, live on with their staged copies."""
+    for pid in machine.pids():
+        try:
+            comm = Path(f"/proc/{pid}/comm").read_text().strip()
+        except OSError:
+            continue
+        if comm == "java":
+            os.kill(pid, signal.SIGKILL)
+    cluster._worker_jvms.pop(machine.name, None)
+
+
+def _lane_hosts(cluster: Cluster) -> list[str]:
+    found = []
+    for m in cluster.machines:
+        for pid in m.pids():
+            try:
+                cmd = Path(f"/proc/{pid}/cmdline").read_bytes().replace(b"\0", b" ").decode()
+            except OSError:
+                continue
+            if "spark_dilation.transfer.lanehost" in cmd or "transfer.readerhost" in cmd:
+                found.append(f"{m.name}:{pid}")
+    return found
+
+
+def test_every_action_exact_while_lanes_move_between_machines(net_clusters: NetClusters) -> None:
+    nc = net_clusters
+    nc.relay_only()
+    writer, writer_log = _send(nc, "7-multi-machine", "moves")
+    reader = Reader(nc, "7-multi-machine", "moves")
+    loaded = reader.loaded()
+    assert "error" not in loaded, loaded
+
+    # 1. show(): lane 0 first (Spark's limit), on whichever executor gets it.
+    shown = reader.step("show")
+    assert shown.get("shown") == 5, f"{shown}\n{_tail(reader.log)}"
+    # 2. The full content digest: every lane; the writer can now finish.
+    got = reader.step("digest")
+    assert writer.wait(300) == 0, _tail(writer_log)
+    sent = _json_line(writer_log, "side")
+    assert sent is not None and "error" not in sent, _tail(writer_log)
+    assert got.get("digest") == sent["digest"], f"{got} vs {sent}"
+    report = _report(writer_log)
+    assert report["rows"] == ROWS and report["path"] == "relay", report
+    first = _holders(nc.b)
+    assert set(first) == {0, 1}, first
+
+    # 3. Every machine that received a lane loses its Worker and executor;
+    #    two new machines join. count() must run every lane on a machine
+    #    that never received it: it copies the lane from its lane host.
+    old = [m for m in nc.b.workers if m.name in set().union(*first.values())]
+    for m in old:
+        _kill_jvms(nc.b, m)
+    new = [nc.b.add_worker(), nc.b.add_worker()]
+    counted = reader.step("count")
+    assert counted.get("count") == ROWS, f"{counted}\n{_tail(reader.log)}"
+    moved = _holders(nc.b)
+    for lane in (0, 1):
+        assert moved[lane] & {m.name for m in new}, f"lane {lane} never ran elsewhere: {moved}"
+    copied = [
+        p
+        for m in new
+        for p in (m.tmp / "spark-dilation").glob("*/lane-*/host.log")
+        if "copied" in p.read_text()
+    ]
+    assert copied, "no lane host logged a copy"
+
+    # 4. A filter count on the same DataFrame.
+    filtered = reader.step("filter_count")
+    assert filtered.get("count") == ROWS // 2, filtered
+
+    # 5. A machine that held copies is lost (disk and processes): the others hold them.
+    lost = old[0]
+    lost.kill_all()
+    roundtrip = reader.step("parquet", path=str(nc.run_dir / "roundtrip.parquet"))
+    assert roundtrip.get("digest") == sent["digest"], roundtrip
+
+    # 6. Every copy of lane 0 lost after it was read: the next action fails
+    #    promptly with the cannot-heal error (not after idle_timeout).
+    holders = _holders(nc.b)[0]
+    for m in nc.b.workers:
+        if m.name in holders and m.pids():
+            m.kill_all()
+            nc.b._worker_jvms.pop(m.name, None)
+    if not [m for m in nc.b.workers if m.name in nc.b._worker_jvms]:
+        nc.b.add_worker()
+    started = time.monotonic()
+    failed = reader.step("count", timeout=300)
+    elapsed = time.monotonic() - started
+    assert "cannot heal" in failed.get("error", ""), failed
+    assert elapsed < 120, f"the cannot-heal error took {elapsed:.0f} s"
+
+    # 7. The application ends: every lane host and the registry leave, with their staging.
+    assert reader.step("stop")["action"] == "stop"
+    reader.proc.wait(120)
+    deadline = time.monotonic() + 30
+    while _lane_hosts(nc.b) and time.monotonic() < deadline:
+        time.sleep(0.5)
+    assert not _lane_hosts(nc.b), _lane_hosts(nc.b)
+    alive = [m for m in nc.b.machines if m.pids() or m is nc.b.driver]
+    left = [
+        str(p)
+        for m in alive
+        if m.name not in holders and m is not lost
+        for p in (m.tmp / "spark-dilation").rglob("*")
+        if p.is_file()
+    ]
+    assert not left, left
+
+
+@pytest.fixture
+def direct_paths(net_clusters: NetClusters) -> Any:
+    net_clusters.direct()
+    yield net_clusters
+    net_clusters.relay_only()
+
+
+def test_direct_path_between_clusters_without_default_routes(direct_paths: NetClusters) -> None:
+    nc = direct_paths
+    writer, writer_log = _send(nc, "8-multi-machine-direct", "direct")
+    log = nc.log_dir / "direct-reader.log"
+    reader = nc.run_driver(
+        nc.b,
+        [
+            PY, "-m", "spark_dilation.testing.spark_peer", "receive", "--code",
+            "8-multi-machine-direct", "--mailbox", nc.mailbox_url, "--relay", nc.relay_url,
+            "--master", nc.b.master_url, "--no-show", "--digest",
+        ],
+        log,
+    )  # fmt: skip
+    assert writer.wait(400) == 0, _tail(writer_log)
+    assert reader.wait(400) == 0, _tail(log)
+    sent, got = _json_line(writer_log, "side"), _json_line(log, "side")
+    assert sent and got and got["digest"] == sent["digest"], (sent, got)
+    report = _report(writer_log)
+    assert report["path"] == "direct", report
