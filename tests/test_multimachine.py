@@ -73,10 +73,16 @@ class Reader:
         return _wait_file(self.control / "loaded.json", timeout, self.log)
 
     def step(self, action: str, timeout: float = 600, **extra: Any) -> dict[str, Any]:
+        self.start(action, **extra)
+        return self.result(timeout)
+
+    def start(self, action: str, **extra: Any) -> None:
         self.step_no += 1
         (self.control / f"step-{self.step_no}.json").write_text(
             json.dumps({"action": action, **extra})
         )
+
+    def result(self, timeout: float = 600) -> dict[str, Any]:
         return _wait_file(self.control / f"result-{self.step_no}.json", timeout, self.log)
 
 
@@ -116,7 +122,8 @@ def _kill_jvms(cluster: Cluster, machine: Machine) -> None:
     cluster._worker_jvms.pop(machine.name, None)
 
 
-def _lane_hosts(cluster: Cluster) -> list[str]:
+def _helpers(cluster: Cluster, *modules: str) -> list[str]:
+    """Our helper processes (by module) running on the cluster's machines."""
     found = []
     for m in cluster.machines:
         for pid in m.pids():
@@ -124,9 +131,38 @@ def _lane_hosts(cluster: Cluster) -> list[str]:
                 cmd = Path(f"/proc/{pid}/cmdline").read_bytes().replace(b"\0", b" ").decode()
             except OSError:
                 continue
-            if "spark_dilation.transfer.lanehost" in cmd or "transfer.readerhost" in cmd:
+            if any(f"spark_dilation.transfer.{name}" in cmd for name in modules):
                 found.append(f"{m.name}:{pid}")
     return found
+
+
+def _lane_hosts(cluster: Cluster) -> list[str]:
+    return _helpers(cluster, "lanehost", "readerhost")
+
+
+def _wait_until(what: str, predicate: Any, timeout: float) -> float:
+    """Seconds until ``predicate()`` held; fails after ``timeout``."""
+    started = time.monotonic()
+    while not predicate():
+        elapsed = time.monotonic() - started
+        assert elapsed < timeout, f"{what}: not within {timeout} s"
+        time.sleep(0.2)
+    return time.monotonic() - started
+
+
+def _staged_files(cluster: Cluster) -> list[str]:
+    return [
+        str(p)
+        for m in cluster.machines
+        for p in (m.tmp / "spark-dilation").rglob("*")
+        if p.is_file() and m.pids()
+    ]
+
+
+def _kill_application(proc: Any) -> None:
+    """SIGKILL a driver and its JVM (its process group), as a crash or kill -9 would."""
+    os.killpg(proc.pid, signal.SIGKILL)
+    proc.wait(30)
 
 
 def test_every_action_exact_while_lanes_move_between_machines(net_clusters: NetClusters) -> None:
@@ -240,3 +276,59 @@ def test_direct_path_between_clusters_without_default_routes(direct_paths: NetCl
     assert sent and got and got["digest"] == sent["digest"], (sent, got)
     report = _report(writer_log)
     assert report["path"] == "direct", report
+
+
+def test_writer_application_killed_mid_transfer(net_clusters: NetClusters) -> None:
+    """The writer's driver dies mid-transfer: the sender host on its machine sees it and
+    aborts the transfer, so the reader's running action fails within seconds with that
+    cause; no helper process or staged file is left on either cluster."""
+    nc = net_clusters
+    writer, _ = _send(
+        nc, "9-writer-killed", "wkill", "--option", "test_fail=sender-pause:600"
+    )
+    reader = Reader(nc, "9-writer-killed", "wkill")
+    assert "error" not in reader.loaded()
+    reader.start("count")
+    _wait_until("lanes receiving", lambda: len(_helpers(nc.b, "lanehost")) >= 2, 240)
+    _wait_until("the sender host", lambda: _helpers(nc.a, "senderhost"), 60)
+    time.sleep(3)  # the partitions are mid-stream (paused after their headers)
+    _kill_application(writer)
+    killed = time.monotonic()
+    failed = reader.result(120)
+    took = time.monotonic() - killed
+    assert "writing application ended" in failed.get("error", ""), failed
+    assert took < 60, f"the reader's action failed {took:.0f} s after the writer died"
+    _wait_until("the sender host to exit", lambda: not _helpers(nc.a, "senderhost"), 60)
+    assert reader.step("stop")["action"] == "stop"
+    reader.proc.wait(120)
+    _wait_until("the lane hosts to exit", lambda: not _lane_hosts(nc.b), 30)
+    assert not _staged_files(nc.b), _staged_files(nc.b)
+    assert not [p for p in _staged_files(nc.a) if "send-" in p], _staged_files(nc.a)
+
+
+def test_reader_application_killed_mid_transfer(net_clusters: NetClusters) -> None:
+    """The reader's driver dies mid-transfer: its lane hosts remove their staging and exit
+    within seconds; the writer fails with the lane's connection error, bounded by its
+    options (here reconnect_timeout and lane_start_timeout of 20 s, one task attempt)."""
+    nc = net_clusters
+    writer, writer_log = _send(
+        nc, "10-reader-killed", "rkill", "--option", "test_fail=sender-pause:10",
+        "--option", "reconnect_timeout=20", "--option", "lane_start_timeout=20",
+        "--conf", "spark.task.maxFailures=1",
+    )  # fmt: skip
+    reader = Reader(nc, "10-reader-killed", "rkill")
+    assert "error" not in reader.loaded()
+    reader.start("count")
+    _wait_until("lanes receiving", lambda: len(_helpers(nc.b, "lanehost")) >= 2, 240)
+    time.sleep(3)
+    _kill_application(reader.proc)
+    took = _wait_until("the reader's lane hosts to exit", lambda: not _lane_hosts(nc.b), 30)
+    assert took < 15, f"lane hosts outlived the reading application by {took:.0f} s"
+    assert not _staged_files(nc.b), _staged_files(nc.b)
+    started = time.monotonic()
+    assert writer.wait(300) != 0, _tail(writer_log)
+    took = time.monotonic() - started
+    sent = _json_line(writer_log, "side")
+    assert sent is not None and "lane" in sent.get("error", ""), _tail(writer_log)
+    assert took < 150, f"the writer failed {took:.0f} s after the reader died"
+    _wait_until("the sender host to exit", lambda: not _helpers(nc.a, "senderhost"), 60)

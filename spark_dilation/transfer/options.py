@@ -34,8 +34,9 @@ class TransferOptionError(DilationError, ValueError):
 class TransferOptions:
     """Typed options of one transfer (the README's options table documents each).
 
-    * ``lanes``: receiver-side parallelism; every lane must be able to run at
-      the same time (at most the reader's task slots).
+    * ``lanes``: receiver-side parallelism. A Spark reader's lane registry
+      receives the lanes no task slot runs (within 5 s of the first lane) on
+      the driver's machine; the Python API runs every lane at once.
     * ``peer_timeout``: seconds to wait for the other side to use the code.
     * ``lane_start_timeout``: seconds a sender waits for a lane to show up
       (lanes start when the reader runs an action).

@@ -69,6 +69,15 @@ def injected_failure(spec: str, kind: str, attempt: int) -> int | None:
     return None
 
 
+def injected_pause(spec: str) -> float:
+    """Seconds a first attempt pauses after its header (``sender-pause:S``; tests only)."""
+    for item in filter(None, (s.strip() for s in spec.split(","))):
+        name, _, rest = item.partition(":")
+        if name == "sender-pause":
+            return float(rest or "10")
+    return 0.0
+
+
 class PartitionStream:
     """The messages of one partition attempt: header, ``D`` messages, trailer.
 
@@ -97,6 +106,11 @@ class PartitionStream:
         yield PartitionHeader(
             spec.transfer_id, self.partition, self.attempt, spec.fingerprint, spec.compression
         ).encode()
+        pause = injected_pause(spec.options.test_fail)
+        if pause and self.attempt == 0:
+            import time
+
+            time.sleep(pause)  # a slow sender: faults can strike mid-transfer
         for batch in batches:
             for message in encoder.encode(conform(batch, spec.schema)):
                 yield message
