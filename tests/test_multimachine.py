@@ -283,9 +283,7 @@ def test_writer_application_killed_mid_transfer(net_clusters: NetClusters) -> No
     aborts the transfer, so the reader's running action fails within seconds with that
     cause; no helper process or staged file is left on either cluster."""
     nc = net_clusters
-    writer, _ = _send(
-        nc, "9-writer-killed", "wkill", "--option", "test_fail=sender-pause:600"
-    )
+    writer, _ = _send(nc, "9-writer-killed", "wkill", "--option", "test_fail=sender-pause:600")
     reader = Reader(nc, "9-writer-killed", "wkill")
     assert "error" not in reader.loaded()
     reader.start("count")
