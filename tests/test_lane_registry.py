@@ -21,7 +21,8 @@ import pyarrow as pa
 import pytest
 
 from spark_dilation.transfer import TransferOptions, send_dataset
-from spark_dilation.transfer.lane import CannotHealError, LaneStaging, read_lane, start_lanes
+from spark_dilation.transfer.lane import CannotHealError
+from spark_dilation.transfer.laneread import read_lane, start_lanes
 from spark_dilation.transfer.readerhost import start_reader_host
 from spark_dilation.transfer.registry import (
     DONE,
@@ -32,6 +33,7 @@ from spark_dilation.transfer.registry import (
     LaneRegistry,
 )
 from spark_dilation.transfer.session import receive_session
+from spark_dilation.transfer.staging import LaneStaging
 
 
 def host(name: str) -> HostInfo:

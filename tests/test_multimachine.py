@@ -184,6 +184,8 @@ def test_every_action_exact_while_lanes_move_between_machines(net_clusters: NetC
     assert got.get("digest") == sent["digest"], f"{got} vs {sent}"
     report = _report(writer_log)
     assert report["rows"] == ROWS and report["path"] == "relay", report
+    # At most one connection per (sending machine, lane): a0 (the sender host), a1, a2.
+    assert 1 <= report["connections"] <= 3 * 2, report
     first = _holders(nc.b)
     assert set(first) == {0, 1}, first
 
@@ -258,6 +260,9 @@ def direct_paths(net_clusters: NetClusters) -> Any:
 
 
 def test_direct_path_between_clusters_without_default_routes(direct_paths: NetClusters) -> None:
+    """Direct routes between the clusters (no default route anywhere): the path is direct.
+    The reader asks for 4 lanes on its 2 task slots: the 2 lanes no slot runs are
+    received on its driver's machine and the read tasks copy them; the rows are exact."""
     nc = direct_paths
     writer, writer_log = _send(nc, "8-multi-machine-direct", "direct")
     log = nc.log_dir / "direct-reader.log"
@@ -266,7 +271,7 @@ def test_direct_path_between_clusters_without_default_routes(direct_paths: NetCl
         [
             PY, "-m", "spark_dilation.testing.spark_peer", "receive", "--code",
             "8-multi-machine-direct", "--mailbox", nc.mailbox_url, "--relay", nc.relay_url,
-            "--master", nc.b.master_url, "--no-show", "--digest",
+            "--master", nc.b.master_url, "--no-show", "--digest", "--option", "lanes=4",
         ],
         log,
     )  # fmt: skip
@@ -330,3 +335,40 @@ def test_reader_application_killed_mid_transfer(net_clusters: NetClusters) -> No
     assert sent is not None and "lane" in sent.get("error", ""), _tail(writer_log)
     assert took < 150, f"the writer failed {took:.0f} s after the reader died"
     _wait_until("the sender host to exit", lambda: not _helpers(nc.a, "senderhost"), 60)
+
+
+def test_worker_killed_mid_transfer(net_clusters: NetClusters) -> None:
+    """A reader machine is lost while its lane receives (a partition in flight, none
+    confirmed yet: first attempts pause 40 s after their header): Spark runs the lane
+    again on another executor, the registry lets it receive anew, the senders'
+    attempts fail after the writer's reconnect_timeout (20 s here) and Spark retries
+    them: the rows are exact. (Had the lost lane confirmed a partition, both sides
+    would fail with "cannot heal": tests/test_spark_transfer.py.)"""
+    nc = net_clusters
+    writer, writer_log = _send(
+        nc, "11-worker-lost", "wlost", "--option", "test_fail=sender-pause:40",
+        "--option", "reconnect_timeout=20",
+    )  # fmt: skip
+    reader = Reader(nc, "11-worker-lost", "wlost")
+    assert "error" not in reader.loaded()
+    reader.start("digest")
+
+    def receiving() -> Machine | None:
+        for m in nc.b.workers:
+            if m.pids() and list((m.tmp / "spark-dilation").glob("*/lane-*/.p*.partial")):
+                return m
+        return None
+
+    _wait_until("a partition in flight on a worker", lambda: receiving() is not None, 240)
+    victim = receiving()
+    assert victim is not None
+    victim.kill_all()
+    nc.b._worker_jvms.pop(victim.name, None)
+    nc.b.add_worker()
+    got = reader.result(600)
+    assert writer.wait(300) == 0, _tail(writer_log)
+    sent = _json_line(writer_log, "side")
+    assert sent is not None and got.get("digest") == sent["digest"], (got, sent)
+    assert reader.step("stop")["action"] == "stop"
+    reader.proc.wait(120)
+    _wait_until("the lane hosts to exit", lambda: not _lane_hosts(nc.b), 30)

@@ -117,7 +117,10 @@ def test_tasks_hand_partitions_to_the_sender_host(opts: dict[str, Any]) -> None:
     assert {s.process for s in stats} == {stats[0].process}
     assert stats[-1].connections_opened == spec.lanes
 
-    assert deliver_manifest_via_host(spec, committed) == 0  # the lanes' connections again
+    # The manifest goes on the lanes' connections again: still one per lane, same process.
+    host_stats = deliver_manifest_via_host(spec, committed)
+    assert host_stats is not None and host_stats.process == stats[0].process
+    assert host_stats.connections_opened == spec.lanes
     receiver.join(120)
     assert "error" not in received, received.get("error")
     result = received["result"]
@@ -191,7 +194,8 @@ def test_the_host_runs_the_session_for_writer(opts: dict[str, Any], tmp_path: Pa
         got = send_partition_via_host(spec, p, 0, iter(part.to_batches()))
         assert got is not None  # the host was serving before the spec came back
         committed.append(got[0])
-    assert deliver_manifest_via_host(spec, committed) == 0
+    host_stats = deliver_manifest_via_host(spec, committed)
+    assert host_stats is not None and host_stats.connections_opened == spec.lanes
     receiver.join(120)
     assert "error" not in received, received.get("error")
     assert received["result"].table.sort_by("id").equals(pa.concat_tables(parts))

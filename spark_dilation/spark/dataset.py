@@ -6,12 +6,12 @@ What runs where (PySpark 4.3, see DESIGN.md):
   sender host, which runs the session over the code (``sender_host=false``:
   the planner runs it), and returns a :class:`DilationArrowWriter` holding the
   :class:`~spark_dilation.transfer.spec.TransferSpec`. Spark pickles it to the
-  tasks; each ``write()`` hands its partition to the host on this machine
-  (:mod:`~spark_dilation.transfer.hostlink`) or, with no host here, streams it
-  to lane ``p mod lanes`` over the process's shared Dilation connection to
-  that lane; either way it returns when the lane confirmed it. ``commit()``
-  (another worker) delivers the manifest to every lane (through the host if
-  one runs here) and logs the transfer report; ``abort()`` tells the lanes.
+  tasks; each ``write()``, ``commit()`` and ``abort()`` goes through
+  :mod:`~spark_dilation.transfer.sending`, which hands the work to the
+  sender host of the machine (started by the first task on an executor
+  machine) or does it in-process. ``write()`` returns when the lane
+  confirmed the partition; ``commit()`` delivers the manifest to every lane
+  and logs the transfer report; ``abort()`` tells the lanes.
 - Receiver: ``schema()`` runs the session (or, if the code carries a plain
   file, receives it as before); :class:`DatasetReader` has one partition per
   lane; ``read()`` yields the lane's rows from its staging.
@@ -21,7 +21,6 @@ from __future__ import annotations
 
 import logging
 import sys
-import time
 from collections.abc import Iterator
 from dataclasses import dataclass
 
@@ -34,7 +33,7 @@ from pyspark.sql.datasource import (
 )
 
 from ..transfer.protocol import CommittedPartition
-from ..transfer.report import ConnectionStats, TransferReport, merge_stats
+from ..transfer.report import ConnectionStats, TransferReport
 from ..transfer.spec import TransferSpec
 from .staged import cast_batch
 
@@ -69,63 +68,23 @@ class DilationArrowWriter(DataSourceArrowWriter):
         self.started = started  # wall clock (time.time()) of the session's end
 
     def write(self, iterator: Iterator[pa.RecordBatch]) -> PartitionSent:
-        partition, attempt = _task()
-        if self.spec.options.sender_host:
-            from ..transfer.hostlink import send_partition_via_host
-
-            # The machine's sender host, if one runs here (started by writer()).
-            via_host = send_partition_via_host(self.spec, partition, attempt, iterator)
-            if via_host is not None:
-                return PartitionSent(*via_host)
-        from ..transfer.sender import pool, send_partition
+        from ..transfer import sending
 
         _quiet_logs()
-        connections = pool()
-        committed = send_partition(self.spec, partition, attempt, iterator, connections=connections)
-        return PartitionSent(committed, connections.stats(self.spec.transfer_id))
+        partition, attempt = _task()
+        return PartitionSent(*sending.send(self.spec, partition, attempt, iterator))
 
     def commit(self, messages: list[PartitionSent | None]) -> None:
-        from ..transfer.protocol import Manifest
+        from ..transfer import sending
 
-        sent = [m for m in messages if m is not None]
-        manifest = Manifest.of(self.spec.transfer_id, (m.committed for m in sent))
-        control = None
-        if self.spec.options.sender_host:
-            from ..transfer.hostlink import deliver_manifest_via_host
-
-            control = deliver_manifest_via_host(self.spec, manifest.partitions)
-        if control is None:
-            from ..transfer.sender import deliver_manifest
-
-            _quiet_logs()
-            _, control = deliver_manifest(self.spec, manifest.partitions)
-        connections, reconnects, path = merge_stats(m.stats for m in sent)
-        report = TransferReport(
-            rows=manifest.rows,
-            bytes=sum(m.committed.bytes for m in sent),
-            partitions=len(sent),
-            lanes=self.spec.lanes,
-            connections=connections + control,
-            reconnects=reconnects,
-            path=path,
-            seconds=round(time.time() - self.started, 3),
-            compression=self.spec.compression,
-        )
-        _log_report(report)
+        _quiet_logs()
+        sent = [(m.committed, m.stats) for m in messages if m is not None]
+        _log_report(sending.commit(self.spec, sent, self.started))
 
     def abort(self, messages: list[PartitionSent | None]) -> None:
-        reason = "the Spark job writing the dataset failed"
-        if self.spec.options.sender_host:
-            from ..transfer.hostlink import deliver_abort_via_host
+        from ..transfer import sending
 
-            try:
-                if deliver_abort_via_host(self.spec, reason, timeout=30):
-                    return
-            except Exception as e:  # best effort, like deliver_abort; try in-process
-                log.warning("the sender host could not deliver the abort: %s", e)
-        from ..transfer.sender import deliver_abort
-
-        deliver_abort(self.spec, reason, timeout=30)
+        sending.abort(self.spec, "the Spark job writing the dataset failed")
 
 
 def _log_report(report: TransferReport) -> None:
@@ -157,7 +116,7 @@ class DatasetReader(DataSourceReader):
         return [InputPartition(lane) for lane in range(self.spec.lanes)]
 
     def read(self, partition: InputPartition) -> Iterator[pa.RecordBatch]:
-        from ..transfer.lane import read_lane
+        from ..transfer.laneread import read_lane
 
         _quiet_logs()
         lane = int(partition.value)

@@ -183,7 +183,7 @@ class DilationDataSource(DataSource):
             # The sender can stream while Spark plans the first action and
             # starts its tasks (seconds on a cold application); the read tasks
             # then follow the staged files.
-            from ..transfer.lane import start_lanes
+            from ..transfer.laneread import start_lanes
 
             start_lanes(result)
         return to_spark_schema(result.schema)
@@ -234,17 +234,9 @@ class DilationDataSource(DataSource):
             )
         options = TransferOptions.from_strings(opts, ignore=("code", "path"))
         arrow_schema = to_arrow_schema(schema, timezone="UTC")
-        if options.sender_host:
-            from ..transfer.hostlink import HostLaunch
+        from ..transfer import sending
 
-            # The sender host runs the session and then serves the tasks: this
-            # planner worker waits without loading the network stack itself.
-            spec = HostLaunch(arrow_schema, options, code).wait_spec()
-        else:
-            from ..transfer.session import SenderSession
-
-            session = SenderSession.open(arrow_schema, options, code=code, source="spark")
-            spec = session.wait()
+        spec = sending.agree(arrow_schema, options, code)
         log.info("dataset transfer %s agreed: %d lanes", spec.transfer_id, spec.lanes)
         return DilationArrowWriter(spec, time.time())
 

@@ -36,13 +36,14 @@ import pyarrow.dataset as ds
 import pyarrow.parquet as pq
 
 from ..errors import TransferCancelledError, TransferError
-from .lane import LaneStaging, _rows_of, lane_receiver, read_staged
+from .lane import lane_receiver
 from .options import TransferOptions
 from .protocol import CommittedPartition, Manifest
 from .report import Progress, TransferReport, combine_paths
 from .sender import ConnectionPool, LaneLostError, deliver_abort, deliver_manifest, send_partition
 from .session import ReceivedFileResult, SenderSession, receive_session
 from .spec import TransferSpec
+from .staging import LaneStaging, read_staged, rows_of
 
 log = logging.getLogger(__name__)
 
@@ -474,7 +475,7 @@ class _ReceiveMeter:
                         partitions += 1
                         if f not in self._rows:
                             with contextlib.suppress(OSError, pa.ArrowException):
-                                self._rows[f] = _rows_of(f)
+                                self._rows[f] = rows_of(f)
                         rows += self._rows.get(f, 0)
         return Progress(
             side="receive",

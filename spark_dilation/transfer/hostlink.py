@@ -75,15 +75,20 @@ def host_token(spec: TransferSpec) -> bytes:
 
 
 def start_sender_host(spec: TransferSpec) -> bool:
-    """Start this machine's sender host for an agreed ``spec`` (no waiting).
+    """Start this machine's sender host for an agreed ``spec`` unless one runs (no waiting).
 
     Returns False (and the tasks send in-process) when the socket path would
-    be too long for this system.
+    be too long for this system. Tasks on executor machines call it, so each
+    sending machine holds at most one connection per lane.
     """
     if not socket_path_fits(spec):
         return False
     directory = private_dir(host_dir(spec))
-    _spawn(directory, "--spec", _write_private(directory, spec), directory / "host.log")
+    if socket_path(spec).exists() or _pid_alive(directory / "host.pid"):
+        return True
+    proc = _spawn(directory, "--spec", _write_private(directory, spec), directory / "host.log")
+    # Now, so that the tasks arriving meanwhile wait for its socket (_connect).
+    (directory / "host.pid").write_text(str(proc.pid))
     return True
 
 
@@ -301,15 +306,17 @@ def _host_error_or(sock: socket.socket, what: str, error: OSError) -> BaseExcept
 
 def deliver_manifest_via_host(
     spec: TransferSpec, partitions: list[CommittedPartition]
-) -> int | None:
-    """The manifest through the host (connections opened for it); None if no host runs."""
+) -> ConnectionStats | None:
+    """The manifest through the host (its connection stats); None if no host runs."""
     request = {"partitions": [asdict(p) for p in partitions]}
     sock = _connect(spec, KIND_MANIFEST, request)
     if sock is None:
         return None
     with sock:
         sock.settimeout(spec.options.lane_start_timeout + 30)
-        return int(_reply(sock, "the final manifest")["opened"])
+        stats = _reply(sock, "the final manifest")["stats"]
+    stats["paths"] = tuple(stats["paths"])
+    return ConnectionStats(**stats)
 
 
 def deliver_abort_via_host(spec: TransferSpec, reason: str, timeout: float) -> bool:

@@ -25,20 +25,14 @@ files. Lane states (``docs/transfer.md`` has the diagram)::
 from __future__ import annotations
 
 import contextlib
-import fcntl
-import json
 import logging
 import os
 import threading
 import time
 import uuid
-from collections.abc import Iterator
-from pathlib import Path
 from typing import Any
 
 import crochet
-import pyarrow as pa
-import pyarrow.ipc as ipc
 
 from ..dilation.blocking import BlockingDilationError, DilationTimeout
 from ..errors import DilationError, TransferError
@@ -66,67 +60,16 @@ from .protocol import (
 from .rendezvous import RendezvousCancelled, dilate_paired, pair
 from .report import is_reconnecting, path_of, reconnects_of
 from .spec import TransferSpec
+from .staging import (
+    CannotHealError,
+    LaneIdleError,
+    LaneStaging,
+    TransferAbortedError,
+    rows_of,
+    take_lane_lock,
+)
 
 log = logging.getLogger(__name__)
-
-MANIFEST_FILE = "manifest.json"
-# How often a read task looks for new staged partitions and the manifest: the
-# last partition and the manifest are on the transfer's critical path, and a
-# look (a directory listing, a stat, a lock probe) costs ~0.1 ms.
-_POLL = 0.05
-
-
-class TransferAbortedError(TransferError):
-    def __init__(self, reason: str) -> None:
-        super().__init__(f"the sender aborted the transfer: {reason}")
-
-
-class CannotHealError(TransferError):
-    """Partitions were confirmed to a lane incarnation whose data is gone."""
-
-
-class LaneIdleError(TransferError, TimeoutError):
-    pass
-
-
-class LaneStaging:
-    """Files of one lane: ``p<partition>.arrow`` once complete, ``.partial`` while arriving."""
-
-    def __init__(self, root: Path, transfer_id: str, lane: int) -> None:
-        self.dir = Path(root) / transfer_id / f"lane-{lane}"
-
-    def ensure(self) -> None:
-        self.dir.mkdir(parents=True, exist_ok=True)
-
-    def complete_path(self, partition: int) -> Path:
-        return self.dir / f"p{partition:06d}.arrow"
-
-    def partial_path(self, partition: int, attempt: int) -> Path:
-        return self.dir / f".p{partition:06d}-a{attempt}-{uuid.uuid4().hex[:8]}.partial"
-
-    def complete(self) -> dict[int, Path]:
-        out: dict[int, Path] = {}
-        if self.dir.is_dir():
-            for path in self.dir.glob("p*.arrow"):  # p000123.arrow
-                with contextlib.suppress(ValueError):
-                    out[int(path.stem[1:])] = path
-        return out
-
-    def manifest(self) -> Manifest | None:
-        path = self.dir / MANIFEST_FILE
-        if not path.exists():
-            return None
-        return Manifest.from_json(path.read_text())
-
-    def write_manifest(self, manifest: Manifest) -> None:
-        tmp = self.dir / f".{MANIFEST_FILE}.tmp"
-        tmp.write_text(manifest.to_json())
-        os.replace(tmp, self.dir / MANIFEST_FILE)
-
-
-def read_staged(path: Path) -> Iterator[pa.RecordBatch]:
-    with pa.memory_map(str(path)) as source:
-        yield from ipc.open_stream(source)
 
 
 class LaneReceiver:
@@ -152,7 +95,7 @@ class LaneReceiver:
         self.paths: list[str] = []
         for partition in staging.complete():
             # Staged by an earlier incarnation on this machine: still good.
-            self.book.completed(partition, -1, _rows_of(staging.complete_path(partition)))
+            self.book.completed(partition, -1, rows_of(staging.complete_path(partition)))
 
     # --- lifecycle ---------------------------------------------------------------
 
@@ -453,22 +396,6 @@ class LaneReceiver:
         return None
 
 
-def _rows_of(path: Path) -> int:
-    with pa.memory_map(str(path)) as source:
-        return sum(b.num_rows for b in ipc.open_stream(source))
-
-
-def _attempt() -> int:
-    """The Spark task attempt number of the current read task (0 outside Spark)."""
-    try:
-        from pyspark import TaskContext
-
-        ctx = TaskContext.get()
-        return ctx.attemptNumber() if ctx is not None else 0
-    except ImportError:
-        return 0
-
-
 # --- the per-process registry ---------------------------------------------------------------
 
 _registry_lock = threading.Lock()
@@ -495,226 +422,6 @@ def lane_receiver(spec: TransferSpec, lane: int) -> LaneReceiver | None:
         _receivers[key] = receiver
         receiver.start()
         return receiver
-
-
-def take_lane_lock(staging: LaneStaging) -> int | None:
-    """The lane's lock on this machine (its file descriptor), or None if a process holds it."""
-    staging.ensure()
-    fd = os.open(staging.dir / ".lock", os.O_RDWR | os.O_CREAT, 0o600)
-    try:
-        fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
-    except BlockingIOError:
-        os.close(fd)
-        return None
-    return fd
-
-
-def read_lane(spec: TransferSpec, lane: int) -> Iterator[pa.RecordBatch]:
-    """Every row the lane receives, once: staged partitions as they complete.
-
-    The receiver runs in a lane host process (:mod:`.lanehost`) started on
-    first use (or during ``load()``, with early lanes), so the transfer goes
-    on when Spark ends or kills the Python worker of this task (``show()``
-    stops reading early; idle workers are killed); this generator follows
-    the staged files. Yields Arrow batches with the transfer's schema. Raises
-    when the sender aborts, a partition cannot heal, or the lane hears
-    nothing for ``idle_timeout``.
-    """
-    staging = LaneStaging(spec.options.staging_root, spec.transfer_id, lane)
-    emitted: set[int] = set()
-    faults = _Faults(spec.options.test_fail, lane, staging)
-    manifest = staging.manifest()
-    if manifest is not None:
-        yield from _emit_manifest(staging, manifest, lane, emitted, faults)
-        return
-    staging.ensure()
-    ensure_host(spec, lane, staging)
-    while True:
-        _raise_host_error(staging)
-        complete = sorted(staging.complete().items())
-        if complete:
-            faults.before_rows()
-        for partition, path in complete:
-            if partition not in emitted:
-                emitted.add(partition)
-                yield from read_staged(path)
-                faults.after_rows()
-        manifest = staging.manifest()
-        if manifest is not None:
-            yield from _emit_manifest(staging, manifest, lane, emitted, faults)
-            return
-        if not host_alive(staging):
-            _raise_host_error(staging)
-            if staging.manifest() is None:
-                log.warning("lane %d: its receiver process ended; starting another", lane)
-                ensure_host(spec, lane, staging)
-        time.sleep(_POLL)
-
-
-class _Faults:
-    """Test-only fault injection of a read task (option ``test_fail``), first attempt only."""
-
-    def __init__(self, test_fail: str, lane: int, staging: LaneStaging) -> None:
-        self.armed = bool(test_fail) and _attempt() == 0
-        self.test_fail, self.lane, self.staging = test_fail, lane, staging
-
-    def before_rows(self) -> None:
-        if self.armed and "lane-before-rows" in self.test_fail:
-            raise TransferError(f"test_fail: lane {self.lane} fails before emitting rows")
-
-    def after_rows(self) -> None:
-        if self.armed and self.lane == 0 and "lane-after-rows" in self.test_fail:
-            _lose_lane(self.staging)
-            raise TransferError(
-                f"test_fail: lane {self.lane} fails after emitting rows, losing its staging"
-            )
-
-
-# --- lane host processes --------------------------------------------------------------------
-
-ERROR_FILE = "error.json"
-
-
-def write_host_error(staging: LaneStaging, error: BaseException) -> None:
-    """The lane's error for its read tasks, and copies elsewhere (hostlink's error record)."""
-    from .hostlink import error_record
-
-    tmp = staging.dir / f".{ERROR_FILE}.tmp"
-    tmp.write_text(json.dumps(error_record(error)))
-    os.replace(tmp, staging.dir / ERROR_FILE)
-
-
-def _raise_host_error(staging: LaneStaging) -> None:
-    from .hostlink import rebuild_error
-
-    path = staging.dir / ERROR_FILE
-    if not path.exists():
-        return
-    raise rebuild_error(json.loads(path.read_text()))
-
-
-def host_alive(staging: LaneStaging) -> bool:
-    """Whether a process holds the lane's lock (a live receiver)."""
-    if not staging.dir.is_dir():
-        return False  # removed: its host ended with the application
-    fd = os.open(staging.dir / ".lock", os.O_RDWR | os.O_CREAT, 0o600)
-    try:
-        fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
-    except BlockingIOError:
-        return True
-    finally:
-        os.close(fd)  # also drops the lock if we got it
-    return False
-
-
-def start_lanes(spec: TransferSpec, wait: float = 60.0) -> None:
-    """Start every lane's host process now (early lanes), then wait until each runs.
-
-    The read tasks that come later find the hosts alive and follow their
-    staged files, exactly as a second action does.
-    """
-    started = []
-    for lane in range(spec.lanes):
-        staging = LaneStaging(spec.options.staging_root, spec.transfer_id, lane)
-        staging.ensure()
-        started.append((lane, staging, _spawn_host(spec, lane, staging)))
-    for lane, staging, proc in started:
-        _wait_host(lane, staging, proc, wait)
-
-
-def ensure_host(spec: TransferSpec, lane: int, staging: LaneStaging, wait: float = 60.0) -> None:
-    """Start the lane's host process unless one runs; wait until it holds the lock."""
-    _wait_host(lane, staging, _spawn_host(spec, lane, staging), wait)
-
-
-def _spawn_host(spec: TransferSpec, lane: int, staging: LaneStaging) -> Any:
-    """A new lane host process, or None if one already holds the lane's lock."""
-    import pickle
-    import subprocess
-    import sys
-
-    if host_alive(staging):
-        return None
-    staging.ensure()
-    spec_path = staging.dir / f".spec-{uuid.uuid4().hex}.pkl"
-    fd = os.open(spec_path, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o600)  # holds the secret
-    with os.fdopen(fd, "wb") as f:
-        pickle.dump(spec, f)
-    with open(staging.dir / "host.log", "ab") as log_file:
-        proc = subprocess.Popen(
-            [sys.executable, "-m", "spark_dilation.transfer.lanehost", str(spec_path), str(lane)],
-            stdin=subprocess.DEVNULL,
-            stdout=log_file,
-            stderr=log_file,
-            start_new_session=True,  # outlives this worker, and Spark's kills of its group
-            close_fds=True,
-        )
-    return proc
-
-
-def _wait_host(lane: int, staging: LaneStaging, proc: Any, wait: float) -> None:
-    if proc is None:
-        return
-    deadline = time.monotonic() + wait
-    while not host_alive(staging):
-        if proc.poll() is not None:
-            if host_alive(staging) or staging.manifest() is not None:
-                return  # another process won the lock, or the lane is already done
-            _raise_host_error(staging)
-            raise TransferError(
-                f"lane {lane}: its receiver process exited with code {proc.returncode}; "
-                f"see {staging.dir / 'host.log'}"
-            )
-        if time.monotonic() > deadline:
-            raise TransferError(f"lane {lane}: its receiver process did not start in {wait:g} s")
-        time.sleep(0.05)
-
-
-def _lose_lane(staging: LaneStaging) -> None:
-    """Test-only: what losing the lane's machine does (receiver and staged files gone)."""
-    import signal
-
-    pid_file = staging.dir / "host.pid"
-    if pid_file.exists():
-        with contextlib.suppress(ProcessLookupError, ValueError):
-            os.kill(int(pid_file.read_text()), signal.SIGKILL)
-    deadline = time.monotonic() + 10
-    while host_alive(staging) and time.monotonic() < deadline:
-        time.sleep(0.05)
-    for path in staging.complete().values():
-        path.unlink(missing_ok=True)
-
-
-def _emit_manifest(
-    staging: LaneStaging,
-    manifest: Manifest,
-    lane: int,
-    emitted: set[int],
-    faults: _Faults | None = None,
-) -> Iterator[pa.RecordBatch]:
-    complete = staging.complete()
-    if faults is not None and manifest.for_lane(lane):
-        faults.before_rows()
-    for c in manifest.for_lane(lane):
-        if c.partition in emitted:
-            continue
-        path = complete.get(c.partition)
-        if path is None:
-            raise CannotHealError(
-                f"lane {lane} cannot heal: the staged data of partition {c.partition} is gone "
-                f"(staging directory {staging.dir}) and its sender has finished. Keep the "
-                "staging directory while the DataFrame is in use, or send the dataset again"
-            )
-        emitted.add(c.partition)
-        yield from read_staged(path)
-        if faults is not None:
-            faults.after_rows()
-    extra = emitted - {c.partition for c in manifest.for_lane(lane)}
-    if extra:
-        # Cannot happen with Spark's commit protocol; never silently.
-        raise CannotHealError(
-            f"lane {lane} emitted partitions {sorted(extra)} that the sender did not commit"
-        )
 
 
 def lane_connection_statuses() -> list[Any]:

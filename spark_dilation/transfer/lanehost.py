@@ -27,8 +27,9 @@ import time
 from typing import Any
 
 from ..errors import TransferError
-from .lane import LaneReceiver, LaneStaging, lane_receiver, take_lane_lock, write_host_error
+from .lane import LaneReceiver, lane_receiver
 from .spec import TransferSpec
+from .staging import LaneStaging, take_lane_lock, write_host_error
 
 log = logging.getLogger(__name__)
 

@@ -32,11 +32,11 @@ from collections.abc import Callable
 from typing import Any
 
 from .boxlink import CHUNK, BoxLink, LinkError, advertised_addresses, connect, link_key, listen
-from .lane import ERROR_FILE, LaneStaging
 from .protocol import Manifest
 from .readerhost import PING, SILENCE, registry_key
 from .registry import HostInfo
 from .spec import TransferSpec
+from .staging import ERROR_FILE, LaneStaging
 
 log = logging.getLogger(__name__)
 

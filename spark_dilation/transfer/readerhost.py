@@ -90,7 +90,8 @@ class ReaderHost:
 
     def _host_lane(self, spec: TransferSpec, lane: int) -> None:
         """Receive a lane that no read task could start, here on the driver's machine."""
-        from .lane import LaneStaging, ensure_host
+        from .laneread import ensure_host
+        from .staging import LaneStaging
 
         log.info("lane %d: no read task claimed it in %g s; receiving it here", lane, LANE_GRACE)
         with self.lock:

@@ -73,7 +73,7 @@ def cannot_heal_record(lane: int, machines: list[str]) -> dict[str, str]:
     where = ", ".join(sorted(set(machines))) or "its machine"
     return {
         "type": "CannotHealError",
-        "module": "spark_dilation.transfer.lane",
+        "module": "spark_dilation.transfer.staging",
         "message": (
             f"lane {lane} cannot heal: every copy of its staged rows is gone (held on {where}, "
             "whose lane host ended: machine lost or process killed), and the sender has "

@@ -68,9 +68,16 @@ OWNER_ENDED = (
 
 
 class SenderHost:
-    def __init__(self, spec: TransferSpec, owner: int | None = None) -> None:
+    """``abort_on_exit``: the driver machine's host (it ran the session) aborts the
+    transfer when its application ends uncommitted; an executor machine's host only
+    leaves (Spark runs that executor's tasks elsewhere)."""
+
+    def __init__(
+        self, spec: TransferSpec, owner: int | None = None, abort_on_exit: bool = True
+    ) -> None:
         self.spec = spec
         self.owner = owner
+        self.abort_on_exit = abort_on_exit
         self.pool = ConnectionPool()
         self.token = host_token(spec)
         self.idle = spec.options.idle_timeout
@@ -94,8 +101,11 @@ class SenderHost:
         listener.listen(64)
         listener.settimeout(0.5)
         log.info("sender host of transfer %s listening", self.spec.transfer_id)
-        for lane in range(self.spec.lanes):
-            threading.Thread(target=self._warm, args=(lane,), daemon=True).start()
+        if self.abort_on_exit:
+            # The driver machine's host pairs with every lane now (it will
+            # carry the manifest to all of them); an executor's pairs on demand.
+            for lane in range(self.spec.lanes):
+                threading.Thread(target=self._warm, args=(lane,), daemon=True).start()
         watch(self.owner, self._owner_ended, self._done)
         try:
             while not self._done.is_set() and not self._idle_expired():
@@ -120,6 +130,10 @@ class SenderHost:
 
     def _owner_ended(self) -> None:
         """The writing application is gone without a commit or an abort: tell every lane."""
+        if not self.abort_on_exit:
+            log.info("this executor (pid %s) ended: leaving", self.owner)
+            self._done.set()
+            return
         log.warning("the writing application (pid %s) ended: aborting the transfer", self.owner)
         try:
             deliver_abort(self.spec, OWNER_ENDED, 30.0, connections=self.pool)
@@ -195,7 +209,8 @@ class SenderHost:
                 _, opened = deliver_manifest(spec, committed, connections=self.pool)
             finally:
                 self._done.set()
-            return {"opened": opened}
+            # Every connection this host opened (its own and the manifest's).
+            return {"opened": opened, "stats": asdict(self.pool.stats(spec.transfer_id))}
         if kind == KIND_ABORT:
             try:
                 deliver_abort(
@@ -233,9 +248,12 @@ def main(argv: list[str] | None = None) -> int:
     )
     logging.getLogger("twisted").setLevel(logging.WARNING)
     if mode == "--spec":
+        # A task on an executor machine started us: one host per machine (the lock).
         spec = start
+        if not _lock_host_dir(spec):
+            return 0
         (host_dir(spec) / "host.pid").write_text(str(os.getpid()))
-        return SenderHost(spec, owner).run()
+        return SenderHost(spec, owner, abort_on_exit=False).run()
     launch_dir = os.path.dirname(start_path)
     spec = _agree(start, launch_dir)
     if spec is None:
@@ -244,6 +262,7 @@ def main(argv: list[str] | None = None) -> int:
     if serving:
         # Before the spec is handed over: a task that finds this pid waits for the socket.
         directory = private_dir(host_dir(spec))
+        _lock_host_dir(spec)
         (directory / "host.pid").write_text(str(os.getpid()))
         with contextlib.suppress(OSError):
             (directory / "host.log").symlink_to(os.path.join(launch_dir, "host.log"))
@@ -255,6 +274,23 @@ def main(argv: list[str] | None = None) -> int:
     if host.delivered:
         shutil.rmtree(launch_dir, ignore_errors=True)  # else its host.log stays
     return code
+
+
+_host_lock: list[int] = []  # held for the life of this process
+
+
+def _lock_host_dir(spec: TransferSpec) -> bool:
+    """This machine's host lock for the transfer; False if another host holds it."""
+    import fcntl
+
+    fd = os.open(private_dir(host_dir(spec)) / ".lock", os.O_RDWR | os.O_CREAT, 0o600)
+    try:
+        fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+    except BlockingIOError:
+        os.close(fd)
+        return False
+    _host_lock.append(fd)
+    return True
 
 
 def _agree(start: dict, launch_dir: str) -> TransferSpec | None:

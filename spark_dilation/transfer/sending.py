@@ -1,0 +1,114 @@
+"""The one sending interface the Spark layer calls: agree, send a partition, commit, abort.
+
+Whether this machine's sender host carries the work (option ``sender_host``,
+:mod:`.hostlink`) or this process does (:mod:`.sender`) is decided here and
+nowhere else. With ``sender_host`` (the default) the driver machine's host
+runs the session and every sending machine gets one host, started by its
+first task, so a transfer opens at most one connection per (sending
+machine, lane); a machine where no host can run (a socket path too long)
+sends in-process. Importing this module loads no network stack.
+"""
+
+from __future__ import annotations
+
+import logging
+import time
+from collections.abc import Iterable, Iterator
+from typing import Any
+
+import pyarrow as pa
+
+from .protocol import CommittedPartition
+from .report import ConnectionStats, TransferReport, merge_relay_fallbacks, merge_stats
+from .spec import TransferSpec
+
+log = logging.getLogger(__name__)
+
+
+def agree(schema: pa.Schema, options: Any, code: str) -> TransferSpec:
+    """The session over the code, as the sender of a Spark DataFrame (blocks for the reader)."""
+    if options.sender_host:
+        from .hostlink import HostLaunch
+
+        # The host runs the session and then serves the tasks: the caller (a
+        # planner worker) waits without loading the network stack itself.
+        return HostLaunch(schema, options, code).wait_spec()
+    from .session import SenderSession
+
+    return SenderSession.open(schema, options, code=code, source="spark").wait()
+
+
+def send(
+    spec: TransferSpec, partition: int, attempt: int, batches: Iterator[pa.RecordBatch]
+) -> tuple[CommittedPartition, ConnectionStats]:
+    """Send one partition; returns once its lane confirmed it (and the sender's stats)."""
+    if spec.options.sender_host:
+        from .hostlink import send_partition_via_host, start_sender_host
+
+        via_host = send_partition_via_host(spec, partition, attempt, batches)
+        if via_host is None and start_sender_host(spec):
+            via_host = send_partition_via_host(spec, partition, attempt, batches)
+        if via_host is not None:
+            return via_host
+    from .sender import pool, send_partition
+
+    connections = pool()
+    committed = send_partition(spec, partition, attempt, batches, connections=connections)
+    return committed, connections.stats(spec.transfer_id)
+
+
+def commit(
+    spec: TransferSpec,
+    sent: Iterable[tuple[CommittedPartition, ConnectionStats]],
+    started: float,
+) -> TransferReport:
+    """Deliver the final manifest to every lane; the transfer's report.
+
+    The report counts every connection of every sending process: the tasks'
+    hosts (or pools) and the host (or this process) that delivered the manifest.
+    """
+    from .protocol import Manifest
+
+    sent = list(sent)
+    manifest = Manifest.of(spec.transfer_id, (c for c, _ in sent))
+    stats = [s for _, s in sent]
+    control = 0
+    host_stats = None
+    if spec.options.sender_host:
+        from .hostlink import deliver_manifest_via_host
+
+        host_stats = deliver_manifest_via_host(spec, manifest.partitions)
+    if host_stats is not None:
+        stats.append(host_stats)
+    else:
+        from .sender import deliver_manifest
+
+        _, control = deliver_manifest(spec, manifest.partitions)
+    connections, reconnects, path = merge_stats(stats)
+    return TransferReport(
+        rows=manifest.rows,
+        bytes=sum(c.bytes for c, _ in sent),
+        partitions=len(sent),
+        lanes=spec.lanes,
+        connections=connections + control,
+        reconnects=reconnects,
+        path=path,
+        seconds=round(time.time() - started, 3),
+        compression=spec.compression,
+        relay_fallbacks=merge_relay_fallbacks(stats),
+    )
+
+
+def abort(spec: TransferSpec, reason: str, timeout: float = 30.0) -> None:
+    """Tell every lane the transfer failed (best effort: the lanes' deadlines end them too)."""
+    if spec.options.sender_host:
+        from .hostlink import deliver_abort_via_host
+
+        try:
+            if deliver_abort_via_host(spec, reason, timeout=timeout):
+                return
+        except Exception as e:  # best effort, like deliver_abort; try in-process
+            log.warning("the sender host could not deliver the abort: %s", e)
+    from .sender import deliver_abort
+
+    deliver_abort(spec, reason, timeout=timeout)

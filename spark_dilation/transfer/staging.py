@@ -1,0 +1,130 @@
+"""One lane's staging on this machine's disk, and what its processes leave there.
+
+``<staging_dir>/<transfer>/lane-<n>/`` holds ``p<partition>.arrow`` once a
+partition is complete (``.partial`` while it arrives), ``manifest.json`` once
+the lane is (every partition the sender committed is staged), ``error.json``
+when it failed, ``host.pid`` and ``host.log`` of its lane host, and
+``.lock``, whose ``flock`` elects the one receiver of the lane on this
+machine. No Twisted here: read tasks import this module.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import fcntl
+import json
+import os
+import uuid
+from collections.abc import Iterator
+from pathlib import Path
+
+import pyarrow as pa
+import pyarrow.ipc as ipc
+
+from ..errors import TransferError
+from .protocol import Manifest
+
+MANIFEST_FILE = "manifest.json"
+ERROR_FILE = "error.json"
+
+
+class TransferAbortedError(TransferError):
+    def __init__(self, reason: str) -> None:
+        super().__init__(f"the sender aborted the transfer: {reason}")
+
+
+class CannotHealError(TransferError):
+    """Partitions were confirmed to a lane incarnation whose data is gone."""
+
+
+class LaneIdleError(TransferError, TimeoutError):
+    pass
+
+
+class LaneStaging:
+    """Files of one lane: ``p<partition>.arrow`` once complete, ``.partial`` while arriving."""
+
+    def __init__(self, root: Path, transfer_id: str, lane: int) -> None:
+        self.dir = Path(root) / transfer_id / f"lane-{lane}"
+
+    def ensure(self) -> None:
+        self.dir.mkdir(parents=True, exist_ok=True)
+
+    def complete_path(self, partition: int) -> Path:
+        return self.dir / f"p{partition:06d}.arrow"
+
+    def partial_path(self, partition: int, attempt: int) -> Path:
+        return self.dir / f".p{partition:06d}-a{attempt}-{uuid.uuid4().hex[:8]}.partial"
+
+    def complete(self) -> dict[int, Path]:
+        out: dict[int, Path] = {}
+        if self.dir.is_dir():
+            for path in self.dir.glob("p*.arrow"):  # p000123.arrow
+                with contextlib.suppress(ValueError):
+                    out[int(path.stem[1:])] = path
+        return out
+
+    def manifest(self) -> Manifest | None:
+        path = self.dir / MANIFEST_FILE
+        if not path.exists():
+            return None
+        return Manifest.from_json(path.read_text())
+
+    def write_manifest(self, manifest: Manifest) -> None:
+        tmp = self.dir / f".{MANIFEST_FILE}.tmp"
+        tmp.write_text(manifest.to_json())
+        os.replace(tmp, self.dir / MANIFEST_FILE)
+
+
+def read_staged(path: Path) -> Iterator[pa.RecordBatch]:
+    with pa.memory_map(str(path)) as source:
+        yield from ipc.open_stream(source)
+
+
+def rows_of(path: Path) -> int:
+    with pa.memory_map(str(path)) as source:
+        return sum(b.num_rows for b in ipc.open_stream(source))
+
+
+def take_lane_lock(staging: LaneStaging) -> int | None:
+    """The lane's lock on this machine (its file descriptor), or None if a process holds it."""
+    staging.ensure()
+    fd = os.open(staging.dir / ".lock", os.O_RDWR | os.O_CREAT, 0o600)
+    try:
+        fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+    except BlockingIOError:
+        os.close(fd)
+        return None
+    return fd
+
+
+def write_host_error(staging: LaneStaging, error: BaseException) -> None:
+    """The lane's error for its read tasks, and copies elsewhere (hostlink's error record)."""
+    from .hostlink import error_record
+
+    tmp = staging.dir / f".{ERROR_FILE}.tmp"
+    tmp.write_text(json.dumps(error_record(error)))
+    os.replace(tmp, staging.dir / ERROR_FILE)
+
+
+def raise_host_error(staging: LaneStaging) -> None:
+    from .hostlink import rebuild_error
+
+    path = staging.dir / ERROR_FILE
+    if not path.exists():
+        return
+    raise rebuild_error(json.loads(path.read_text()))
+
+
+def host_alive(staging: LaneStaging) -> bool:
+    """Whether a process holds the lane's lock (a live receiver)."""
+    if not staging.dir.is_dir():
+        return False  # removed: its host ended with the application
+    fd = os.open(staging.dir / ".lock", os.O_RDWR | os.O_CREAT, 0o600)
+    try:
+        fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+    except BlockingIOError:
+        return True
+    finally:
+        os.close(fd)  # also drops the lock if we got it
+    return False
