@@ -21,6 +21,8 @@ import pytest
 from spark_dilation.testing.netcluster import Cluster, Machine, NetClusters
 
 ROWS = 200_000
+# Two Spark applications per test on a 2-core machine: more than the suite's default.
+pytestmark = pytest.mark.timeout(900)
 PY = sys.executable
 
 

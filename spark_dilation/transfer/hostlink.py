@@ -33,7 +33,6 @@ import shutil
 import socket
 import struct
 import subprocess
-import sys
 import tempfile
 import time
 import uuid
@@ -151,24 +150,15 @@ def private_dir(directory: Path) -> Path:
 
 
 def _write_private(directory: Path, obj: Any) -> Path:
-    path = directory / f".start-{uuid.uuid4().hex}.pkl"
-    fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o600)  # may hold the secret
-    with os.fdopen(fd, "wb") as f:
-        pickle.dump(obj, f)
-    return path
+    from .lifetime import write_private
+
+    return write_private(directory, obj)
 
 
 def _spawn(directory: Path, mode: str, start: Path, log: Path) -> subprocess.Popen:
-    with open(log, "ab") as log_file:
-        proc = subprocess.Popen(
-            [sys.executable, "-m", "spark_dilation.transfer.senderhost", mode, str(start)],
-            stdin=subprocess.DEVNULL,
-            stdout=log_file,
-            stderr=log_file,
-            start_new_session=True,  # outlives the planner worker that starts it
-            close_fds=True,
-        )
-    return proc
+    from .lifetime import spawn
+
+    return spawn("spark_dilation.transfer.senderhost", [mode, str(start)], log)
 
 
 def _pid_alive(pid_file: Path) -> bool:

@@ -19,7 +19,6 @@ from __future__ import annotations
 
 import logging
 import os
-import pickle
 import shutil
 import sys
 import threading
@@ -28,6 +27,7 @@ from typing import Any
 
 from ..errors import TransferError
 from .lane import LaneReceiver, lane_receiver
+from .lifetime import read_private
 from .spec import TransferSpec
 from .staging import LaneStaging, take_lane_lock, write_host_error
 
@@ -41,9 +41,7 @@ ORPHAN_LINGER = 30.0  # a host that never reached its registry keeps its error t
 def main(argv: list[str] | None = None) -> int:
     spec_path, lane_text = argv if argv is not None else sys.argv[1:]
     lane = int(lane_text)
-    with open(spec_path, "rb") as f:
-        spec = pickle.load(f)
-    os.unlink(spec_path)  # it holds the transfer secret
+    spec = read_private(spec_path)  # it holds the transfer secret
     logging.basicConfig(
         level=logging.INFO, format=f"%(asctime)s lane-{lane} %(name)s %(levelname)s %(message)s"
     )

@@ -13,7 +13,6 @@ import contextlib
 import logging
 import os
 import time
-import uuid
 from collections.abc import Iterator
 from typing import Any
 
@@ -126,27 +125,15 @@ def ensure_host(spec: TransferSpec, lane: int, staging: LaneStaging, wait: float
 
 def _spawn_host(spec: TransferSpec, lane: int, staging: LaneStaging) -> Any:
     """A new lane host process, or None if one already holds the lane's lock."""
-    import pickle
-    import subprocess
-    import sys
+    from .lifetime import spawn, write_private
 
     if host_alive(staging):
         return None
     staging.ensure()
-    spec_path = staging.dir / f".spec-{uuid.uuid4().hex}.pkl"
-    fd = os.open(spec_path, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o600)  # holds the secret
-    with os.fdopen(fd, "wb") as f:
-        pickle.dump(spec, f)
-    with open(staging.dir / "host.log", "ab") as log_file:
-        proc = subprocess.Popen(
-            [sys.executable, "-m", "spark_dilation.transfer.lanehost", str(spec_path), str(lane)],
-            stdin=subprocess.DEVNULL,
-            stdout=log_file,
-            stderr=log_file,
-            start_new_session=True,  # outlives this worker, and Spark's kills of its group
-            close_fds=True,
-        )
-    return proc
+    spec_path = write_private(staging.dir, spec)
+    return spawn(
+        "spark_dilation.transfer.lanehost", [str(spec_path), str(lane)], staging.dir / "host.log"
+    )
 
 
 def _wait_host(lane: int, staging: LaneStaging, proc: Any, wait: float) -> None:

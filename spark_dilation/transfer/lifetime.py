@@ -12,9 +12,14 @@ from __future__ import annotations
 
 import contextlib
 import os
+import pickle
+import subprocess
+import sys
 import threading
-from collections.abc import Callable
+import uuid
+from collections.abc import Callable, Sequence
 from pathlib import Path
+from typing import Any
 
 POLL = 0.5
 
@@ -56,3 +61,38 @@ def watch(pid: int | None, on_end: Callable[[], None], stop: threading.Event) ->
                 return
 
     threading.Thread(target=run, name=f"watch-{pid}", daemon=True).start()
+
+
+def write_private(directory: Path, obj: Any) -> Path:
+    """``obj`` pickled into a new file only this user can read (it may hold the secret).
+
+    The helper that gets its path reads it and removes it at once.
+    """
+    path = Path(directory) / f".start-{uuid.uuid4().hex}.pkl"
+    fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o600)
+    with os.fdopen(fd, "wb") as f:
+        pickle.dump(obj, f)
+    return path
+
+
+def read_private(path: str | Path) -> Any:
+    """What :func:`write_private` wrote; the file is removed."""
+    with open(path, "rb") as f:
+        obj = pickle.load(f)
+    os.unlink(path)
+    return obj
+
+
+def spawn(module: str, args: Sequence[str], log: Path) -> subprocess.Popen:
+    """Start ``python -m module args`` as a helper: its own session (it outlives the
+    Spark worker that starts it, and Spark's kills of that worker's group), no stdin,
+    its output appended to ``log``."""
+    with open(log, "ab") as log_file:
+        return subprocess.Popen(
+            [sys.executable, "-m", module, *args],
+            stdin=subprocess.DEVNULL,
+            stdout=log_file,
+            stderr=log_file,
+            start_new_session=True,
+            close_fds=True,
+        )

@@ -23,9 +23,7 @@ from __future__ import annotations
 import json
 import logging
 import os
-import pickle
 import socket
-import subprocess
 import sys
 import threading
 import time
@@ -35,7 +33,7 @@ from typing import Any
 
 from ..errors import TransferError
 from .boxlink import BoxLink, LinkError, advertised_addresses, link_key, listen
-from .lifetime import alive, owner_pid
+from .lifetime import alive, owner_pid, read_private, spawn, write_private
 from .registry import HostInfo, LaneRegistry
 from .spec import TransferSpec
 
@@ -167,27 +165,14 @@ def start_reader_host(spec: TransferSpec, owner: int | None = None) -> TransferS
     directory = private_dir(
         Path(spec.options.staging_root) / f"registry-{spec.transfer_id}-{uuid.uuid4().hex[:6]}"
     )
-    start = directory / "spec.pkl"
-    fd = os.open(start, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o600)  # holds the secret
-    with os.fdopen(fd, "wb") as f:
-        pickle.dump(spec, f)
+    start = write_private(directory, spec)
     ready = directory / "ready.json"
     owner = (owner_pid() or os.getpid()) if owner is None else owner
-    with open(directory / "host.log", "ab") as log_file:
-        proc = subprocess.Popen(
-            [
-                sys.executable,
-                "-m",
-                "spark_dilation.transfer.readerhost",
-                str(directory),
-                str(owner),
-            ],
-            stdin=subprocess.DEVNULL,
-            stdout=log_file,
-            stderr=log_file,
-            start_new_session=True,  # outlives the planner worker
-            close_fds=True,
-        )
+    proc = spawn(
+        "spark_dilation.transfer.readerhost",
+        [str(directory), str(start), str(owner)],
+        directory / "host.log",
+    )
     deadline = time.monotonic() + START_WAIT
     while not ready.exists():
         if proc.poll() is not None or time.monotonic() > deadline:
@@ -201,11 +186,9 @@ def start_reader_host(spec: TransferSpec, owner: int | None = None) -> TransferS
 
 
 def main(argv: list[str] | None = None) -> int:
-    directory, owner = argv if argv is not None else sys.argv[1:]
+    directory, start, owner = argv if argv is not None else sys.argv[1:]
     path = Path(directory)
-    with open(path / "spec.pkl", "rb") as f:
-        spec = pickle.load(f)
-    os.unlink(path / "spec.pkl")  # it holds the transfer secret
+    spec = read_private(start)  # it holds the transfer secret
     logging.basicConfig(
         level=logging.INFO, format="%(asctime)s registry %(name)s %(levelname)s %(message)s"
     )

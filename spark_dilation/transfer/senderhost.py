@@ -49,7 +49,7 @@ from .hostlink import (
     socket_path_fits,
     write_answer,
 )
-from .lifetime import owner_pid, watch
+from .lifetime import owner_pid, read_private, watch
 from .protocol import CommittedPartition, ProtocolError
 from .sender import ConnectionPool, deliver_abort, deliver_manifest, stream_partition
 from .spec import TransferSpec
@@ -240,9 +240,7 @@ def main(argv: list[str] | None = None) -> int:
     """``--spec FILE``: serve an agreed transfer; ``--session FILE``: agree on the code first."""
     mode, start_path = argv if argv is not None else sys.argv[1:]
     owner = owner_pid()  # now, while the planner worker that started us still runs
-    with open(start_path, "rb") as f:
-        start = pickle.load(f)
-    os.unlink(start_path)  # it holds the transfer secret (or the code)
+    start = read_private(start_path)  # it holds the transfer secret (or the code)
     logging.basicConfig(
         level=logging.INFO, format="%(asctime)s sender-host %(name)s %(levelname)s %(message)s"
     )
