@@ -111,6 +111,20 @@ def _holders(cluster: Cluster) -> dict[int, set[str]]:
     return out
 
 
+def _receive_report(cluster: Cluster, timeout: float = 30) -> dict[str, Any]:
+    """The receive report the lane registry logged on the reader's driver machine."""
+    from spark_dilation.transfer.readerhost import RECEIVE_REPORT_PREFIX
+
+    deadline = time.monotonic() + timeout
+    while True:
+        for log in (cluster.driver.tmp / "spark-dilation").glob("registry-*/host.log"):
+            for line in log.read_text(errors="replace").splitlines():
+                if RECEIVE_REPORT_PREFIX in line:
+                    return json.loads(line.split(RECEIVE_REPORT_PREFIX, 1)[1])
+        assert time.monotonic() < deadline, "the registry logged no receive report"
+        time.sleep(0.5)
+
+
 def _kill_jvms(cluster: Cluster, machine: Machine) -> None:
     """The machine's Worker and executor JVMs die (their Python workers follow); its lane
     hosts, in sessions of their own, live on with their staged copies."""
@@ -186,8 +200,12 @@ def test_every_action_exact_while_lanes_move_between_machines(net_clusters: NetC
     assert got.get("digest") == sent["digest"], f"{got} vs {sent}"
     report = _report(writer_log)
     assert report["rows"] == ROWS and report["path"] == "relay", report
-    # At most one connection per (sending machine, lane): a0 (the sender host), a1, a2.
+    # At most one connection per (sending machine, lane): a0 (the sender host), a1, a2;
+    # the lanes counted the same connections (the registry's receive report).
     assert 1 <= report["connections"] <= 3 * 2, report
+    received = _receive_report(nc.b)
+    assert received["connections"] == report["connections"], (received, report)
+    assert received["path"] == "relay", received
     first = _holders(nc.b)
     assert set(first) == {0, 1}, first
 

@@ -95,7 +95,12 @@ class RegisteredLane:
             write_host_error(self.staging, error)
             registry.report({"failed": self.lane, "error": error_record(error)})
         else:
-            registry.report({"done": self.lane})
+            done: dict[str, Any] = {"done": self.lane}
+            if self.receiver is not None:
+                # What this lane received from the senders, for the receive report.
+                made, reconnects, paths, _ = self.receiver.live_stats()
+                done.update(connections=made, reconnects=reconnects, paths=paths)
+            registry.report(done)
         log.info("lane %d: %s; serving until the application ends", self.lane, error or "complete")
         self.ended.wait()
         server.close()

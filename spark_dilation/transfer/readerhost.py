@@ -46,6 +46,9 @@ START_WAIT = 30.0
 # unclaimed lanes itself (no free task slot for them: show(), busy slots,
 # more lanes than slots).
 LANE_GRACE = 5.0
+# The registry's log line with what the lanes received from the senders (the
+# connections they accepted: the same the writer's report counts opened).
+RECEIVE_REPORT_PREFIX = "spark-dilation receive report: "
 
 
 def registry_key(spec: TransferSpec) -> bytes:
@@ -61,6 +64,8 @@ class ReaderHost:
         self.links: set[BoxLink] = set()
         self.stopping = threading.Event()
         self.server = listen()
+        self.received: dict[int, dict[str, Any]] = {}
+        self.reported = False
 
     def run(self, ready_path: Path) -> int:
         port = self.server.getsockname()[1]
@@ -85,6 +90,26 @@ class ReaderHost:
             link.close()
         self.server.close()
         return 0
+
+    def _received(self, message: dict[str, Any]) -> None:
+        """Log the receive report once every lane has reported what it received."""
+        if "connections" not in message:
+            return  # a copy, not the lane's receiver
+        self.received[int(message["done"])] = message
+        if len(self.received) != self.spec.lanes or self.reported:
+            return
+        self.reported = True
+        from .report import combine_paths
+
+        lanes = self.received.values()
+        report = {
+            "transfer": self.spec.transfer_id,
+            "lanes": self.spec.lanes,
+            "connections": sum(int(m["connections"]) for m in lanes),
+            "reconnects": sum(int(m["reconnects"]) for m in lanes),
+            "path": combine_paths(p for m in lanes for p in m["paths"]),
+        }
+        log.info("%s%s", RECEIVE_REPORT_PREFIX, json.dumps(report))
 
     def _host_lane(self, spec: TransferSpec, lane: int) -> None:
         """Receive a lane that no read task could start, here on the driver's machine."""
@@ -130,6 +155,7 @@ class ReaderHost:
                         link.send_json(answer)
                     elif "done" in message and host is not None:
                         self.registry.done(int(message["done"]), host)
+                        self._received(message)
                     elif "failed" in message and host is not None:
                         self.registry.failed(int(message["failed"]), host, message["error"])
                     log.info("%s: %s", message, self.registry.snapshot())
