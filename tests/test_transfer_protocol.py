@@ -339,3 +339,6 @@ def test_merge_stats_keeps_the_latest_per_process() -> None:
         ConnectionStats("b:2", 2, 0, ("direct",)),
     ]
     assert merge_stats(stats) == (4, 1, "direct+relay")
+    # A process's last snapshot after its connections closed still has the path seen before.
+    closed = [*stats[:1], ConnectionStats("a:1", 1, 0, ("unknown",))]
+    assert merge_stats(closed) == (1, 0, "direct")

@@ -96,11 +96,14 @@ def latest_stats(stats: Iterable[ConnectionStats]) -> list[ConnectionStats]:
 
 
 def merge_stats(stats: Iterable[ConnectionStats]) -> tuple[int, int, str]:
-    """(connections, reconnects, path) over the latest stats of each process."""
+    """(connections, reconnects) over the latest stats of each process; the paths
+    seen in any of them (a process's last snapshot may come after its connections
+    closed, when no path is known any more)."""
+    stats = list(stats)
     latest = latest_stats(stats)
     connections = sum(s.connections_opened for s in latest)
     reconnects = sum(s.reconnects for s in latest)
-    return connections, reconnects, combine_paths(p for s in latest for p in s.paths)
+    return connections, reconnects, combine_paths(p for s in stats for p in s.paths)
 
 
 def merge_relay_fallbacks(stats: Iterable[ConnectionStats]) -> int:
