@@ -33,6 +33,21 @@ class ServerProcess:
     process: subprocess.Popen[bytes] = field(repr=False, compare=False)
     stderr_path: Path = field(repr=False, compare=False)
 
+    @classmethod
+    def from_ready(
+        cls, line: bytes, process: subprocess.Popen[bytes], stderr_path: Path
+    ) -> ServerProcess:
+        """From the ready line ``python -m spark_dilation.servers`` prints (JSON)."""
+        info = json.loads(line)
+        return cls(
+            mailbox_url=info["mailbox_url"],
+            relay_url=info["relay_url"],
+            mailbox_port=int(info["mailbox_port"]),
+            relay_port=int(info["relay_port"]),
+            process=process,
+            stderr_path=stderr_path,
+        )
+
     @property
     def pid(self) -> int:
         return self.process.pid
@@ -209,15 +224,7 @@ def start_server_process(
             else:
                 problem = f"did not report ready within {timeout:g} s"
         else:
-            info = json.loads(line)
-            servers = ServerProcess(
-                mailbox_url=info["mailbox_url"],
-                relay_url=info["relay_url"],
-                mailbox_port=int(info["mailbox_port"]),
-                relay_port=int(info["relay_port"]),
-                process=proc,
-                stderr_path=stderr_path,
-            )
+            servers = ServerProcess.from_ready(line, proc, stderr_path)
             host = "127.0.0.1" if interface in ("", "0.0.0.0", "::") else interface
             for port in (servers.mailbox_port, servers.relay_port):
                 if not _wait_until_accepting(host, port, deadline):

@@ -808,15 +808,7 @@ class NetClusters:
             proc.kill()
             proc.wait()
             raise RuntimeError(f"the servers did not start; see {log_path}:\n{_tail(log_path)}")
-        info = json.loads(line)
-        servers = ServerProcess(
-            mailbox_url=info["mailbox_url"],
-            relay_url=info["relay_url"],
-            mailbox_port=int(info["mailbox_port"]),
-            relay_port=int(info["relay_port"]),
-            process=proc,
-            stderr_path=log_path,
-        )
+        servers = ServerProcess.from_ready(line, proc, log_path)
         self.servers = servers
         # A run killed before close() leaves the servers behind: the next run kills them.
         self._info["servers"] = {"pid": proc.pid, "pid_start": _proc_start_time(proc.pid)}

@@ -96,6 +96,35 @@ class BoxLink:
         self.sock.close()
 
 
+def keep_alive(link: BoxLink, every: float, stop: threading.Event) -> None:
+    """Send ``{"ping": 1}`` on ``link`` every ``every`` seconds (a daemon thread) until
+    ``stop`` is set or the link fails: the other end's silence deadline sees it live."""
+
+    def run() -> None:
+        while not stop.wait(every):
+            try:
+                link.send_json({"ping": 1})
+            except LinkError:
+                return
+
+    threading.Thread(target=run, daemon=True).start()
+
+
+def serve_connections(server: socket.socket, handle: Any) -> None:
+    """Accept on ``server`` (a daemon thread) until it is closed; each connection
+    is handled by ``handle(sock)`` in a thread of its own."""
+
+    def run() -> None:
+        while True:
+            try:
+                sock, _ = server.accept()
+            except OSError:
+                return
+            threading.Thread(target=handle, args=(sock,), daemon=True).start()
+
+    threading.Thread(target=run, daemon=True).start()
+
+
 def connect(
     addresses: list[str] | tuple[str, ...], port: int, key: bytes, timeout: float
 ) -> BoxLink:
@@ -129,7 +158,8 @@ def listen() -> socket.socket:
 
 def advertised_addresses() -> list[str]:
     """Where other machines of this cluster (and this one) can reach a listener here."""
-    from ..transit.addresses import local_addresses
+    from ..transit.addresses import family_of, local_addresses
 
-    addresses = [a for a in local_addresses() if ":" not in a]  # the listener is IPv4
+    # The listener is IPv4.
+    addresses = [a for a in local_addresses() if family_of(a) == socket.AF_INET]
     return [*addresses, "127.0.0.1"] if "127.0.0.1" not in addresses else addresses

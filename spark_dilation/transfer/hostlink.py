@@ -44,6 +44,7 @@ from typing import Any
 import pyarrow as pa
 
 from ..errors import TransferError
+from .lifetime import alive, spawn, write_private
 from .partition import LaneLostError, PartitionStream
 from .protocol import CommittedPartition, Complete, ProtocolError
 from .report import ConnectionStats
@@ -85,7 +86,7 @@ def start_sender_host(spec: TransferSpec) -> bool:
     directory = private_dir(host_dir(spec))
     if socket_path(spec).exists() or _pid_alive(directory / "host.pid"):
         return True
-    proc = _spawn(directory, "--spec", _write_private(directory, spec), directory / "host.log")
+    proc = _spawn(directory, "--spec", write_private(directory, spec))
     # Now, so that the tasks arriving meanwhile wait for its socket (_connect).
     (directory / "host.pid").write_text(str(proc.pid))
     return True
@@ -108,8 +109,8 @@ class HostLaunch:
             Path(tempfile.gettempdir()) / "spark-dilation" / f"start-{uuid.uuid4().hex}"
         )
         self.peer_timeout = float(options.peer_timeout)
-        start = _write_private(self.dir, {"schema": schema, "options": options, "code": code})
-        self.proc = _spawn(self.dir, "--session", start, self.dir / "host.log")
+        start = write_private(self.dir, {"schema": schema, "options": options, "code": code})
+        self.proc = _spawn(self.dir, "--session", start)
 
     def wait_spec(self) -> TransferSpec:
         """The agreed spec, once the receiver used the code (bounded by ``peer_timeout``)."""
@@ -149,21 +150,11 @@ def private_dir(directory: Path) -> Path:
     return directory
 
 
-def _write_private(directory: Path, obj: Any) -> Path:
-    from .lifetime import write_private
-
-    return write_private(directory, obj)
-
-
-def _spawn(directory: Path, mode: str, start: Path, log: Path) -> subprocess.Popen:
-    from .lifetime import spawn
-
-    return spawn("spark_dilation.transfer.senderhost", [mode, str(start)], log)
+def _spawn(directory: Path, mode: str, start: Path) -> subprocess.Popen:
+    return spawn("spark_dilation.transfer.senderhost", [mode, str(start)], directory / "host.log")
 
 
 def _pid_alive(pid_file: Path) -> bool:
-    from .lifetime import alive
-
     try:
         return alive(int(pid_file.read_text()))
     except (OSError, ValueError):

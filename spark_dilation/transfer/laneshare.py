@@ -31,7 +31,17 @@ import uuid
 from collections.abc import Callable
 from typing import Any
 
-from .boxlink import CHUNK, BoxLink, LinkError, advertised_addresses, connect, link_key, listen
+from .boxlink import (
+    CHUNK,
+    BoxLink,
+    LinkError,
+    advertised_addresses,
+    connect,
+    keep_alive,
+    link_key,
+    listen,
+    serve_connections,
+)
 from .protocol import Manifest
 from .readerhost import PING, SILENCE, registry_key
 from .registry import HostInfo
@@ -73,7 +83,7 @@ class RegistryLink:
         self._on_lost = on_lost
         self.lost = threading.Event()
         threading.Thread(target=self._read, daemon=True).start()
-        threading.Thread(target=self._ping, daemon=True).start()
+        keep_alive(self.link, PING, self.lost)
 
     def claim(self, lane: int, host: HostInfo, complete: bool) -> dict[str, Any]:
         self.link.send_json({"claim": lane, "host": host.to_json(), "complete": complete})
@@ -98,11 +108,6 @@ class RegistryLink:
             self.lost.set()
             self._on_lost(str(e))
 
-    def _ping(self) -> None:
-        while not self.lost.wait(PING):
-            with contextlib.suppress(LinkError):
-                self.link.send_json({"ping": 1})
-
 
 class LaneServer:
     """Serves this machine's complete copy of a lane to lane hosts on other executors."""
@@ -114,19 +119,11 @@ class LaneServer:
         self.host = HostInfo(
             uuid.uuid4().hex[:12], machine_name(), tuple(advertised_addresses()), self.port
         )
-        threading.Thread(target=self._accept, daemon=True).start()
+        serve_connections(self.sock, self._serve)
 
     def close(self) -> None:
         with contextlib.suppress(OSError):
             self.sock.close()
-
-    def _accept(self) -> None:
-        while True:
-            try:
-                sock, _ = self.sock.accept()
-            except OSError:
-                return
-            threading.Thread(target=self._serve, args=(sock,), daemon=True).start()
 
     def _serve(self, sock: socket.socket) -> None:
         link = BoxLink(sock, share_key(self.spec))

@@ -63,6 +63,21 @@ def watch(pid: int | None, on_end: Callable[[], None], stop: threading.Event) ->
     threading.Thread(target=run, name=f"watch-{pid}", daemon=True).start()
 
 
+def try_lock(path: Path) -> int | None:
+    """An exclusive ``flock`` on ``path`` (created), held by the returned descriptor,
+    or None if another process holds it. Elects one helper per machine: the lane
+    host of a lane, the sender host of a transfer."""
+    import fcntl
+
+    fd = os.open(path, os.O_RDWR | os.O_CREAT, 0o600)
+    try:
+        fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+    except BlockingIOError:
+        os.close(fd)
+        return None
+    return fd
+
+
 def write_private(directory: Path, obj: Any) -> Path:
     """``obj`` pickled into a new file only this user can read (it may hold the secret).
 

@@ -32,7 +32,15 @@ from pathlib import Path
 from typing import Any
 
 from ..errors import TransferError
-from .boxlink import BoxLink, LinkError, advertised_addresses, link_key, listen
+from .boxlink import (
+    BoxLink,
+    LinkError,
+    advertised_addresses,
+    keep_alive,
+    link_key,
+    listen,
+    serve_connections,
+)
 from .lifetime import alive, owner_pid, read_private, spawn, write_private
 from .registry import HostInfo, LaneRegistry
 from .spec import TransferSpec
@@ -74,7 +82,7 @@ class ReaderHost:
         tmp.write_text(json.dumps(ready))
         os.replace(tmp, ready_path)
         log.info("lane registry of %s on %s", self.spec.transfer_id, ready)
-        threading.Thread(target=self._accept, daemon=True).start()
+        serve_connections(self.server, self._serve)
         hosted = self.spec.with_registry(tuple(ready["addresses"]), port)
         while alive(self.owner):
             time.sleep(0.5)
@@ -124,21 +132,13 @@ class ReaderHost:
         except Exception as e:  # the read tasks still start it where they run
             log.warning("lane %d: could not start it here: %s", lane, e)
 
-    def _accept(self) -> None:
-        while not self.stopping.is_set():
-            try:
-                sock, _ = self.server.accept()
-            except OSError:
-                return
-            threading.Thread(target=self._serve, args=(sock,), daemon=True).start()
-
     def _serve(self, sock: socket.socket) -> None:
         link = BoxLink(sock, registry_key(self.spec))
         with self.lock:
             self.links.add(link)
         host: HostInfo | None = None
         stop_ping = threading.Event()
-        threading.Thread(target=_pinger, args=(link, stop_ping), daemon=True).start()
+        keep_alive(link, PING, stop_ping)
         try:
             while True:
                 message = link.recv_json(SILENCE)
@@ -146,11 +146,12 @@ class ReaderHost:
                     continue
                 with self.lock:
                     if "claim" in message:
-                        if self.registry.first_claim is None:
-                            self.registry.first_claim = time.monotonic()
                         host = HostInfo.from_json(message["host"])
                         answer = self.registry.claim(
-                            int(message["claim"]), host, bool(message["complete"])
+                            int(message["claim"]),
+                            host,
+                            bool(message["complete"]),
+                            now=time.monotonic(),
                         )
                         link.send_json(answer)
                     elif "done" in message and host is not None:
@@ -170,14 +171,6 @@ class ReaderHost:
                 if host is not None and not self.stopping.is_set():
                     self.registry.gone(host.host_id)
                     log.info("after %s left: %s", host.machine, self.registry.snapshot())
-
-
-def _pinger(link: BoxLink, stop: threading.Event) -> None:
-    while not stop.wait(PING):
-        try:
-            link.send_json({"ping": 1})
-        except LinkError:
-            return
 
 
 def start_reader_host(spec: TransferSpec, owner: int | None = None) -> TransferSpec:
@@ -224,11 +217,6 @@ def main(argv: list[str] | None = None) -> int:
         import shutil
 
         shutil.rmtree(path, ignore_errors=True)
-
-
-def describe(spec: Any) -> str:
-    addresses, port = spec.registry
-    return f"{'/'.join(addresses)}:{port}"
 
 
 if __name__ == "__main__":

@@ -104,9 +104,14 @@ class LaneRegistry:
             raise ValueError(f"lane {lane} is not one of the transfer's {len(self.lanes)} lanes")
         return self.lanes[lane]
 
-    def claim(self, lane: int, host: HostInfo, complete: bool) -> dict[str, Any]:
-        """What ``host`` (``complete``: it holds the finished lane already) must do."""
+    def claim(self, lane: int, host: HostInfo, complete: bool, now: float = 0.0) -> dict[str, Any]:
+        """What ``host`` (``complete``: it holds the finished lane already) must do.
+
+        ``now`` (monotonic seconds) dates the first claim, for :meth:`unclaimed`.
+        """
         entry = self._entry(lane)
+        if self.first_claim is None:
+            self.first_claim = now
         entry.claimed = True
         if entry.state == FAILED:
             return {"do": "error", "error": entry.error}

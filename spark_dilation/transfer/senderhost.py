@@ -49,7 +49,7 @@ from .hostlink import (
     socket_path_fits,
     write_answer,
 )
-from .lifetime import owner_pid, read_private, watch
+from .lifetime import owner_pid, read_private, try_lock, watch
 from .protocol import CommittedPartition, ProtocolError
 from .sender import ConnectionPool, deliver_abort, deliver_manifest, stream_partition
 from .spec import TransferSpec
@@ -279,13 +279,8 @@ _host_lock: list[int] = []  # held for the life of this process
 
 def _lock_host_dir(spec: TransferSpec) -> bool:
     """This machine's host lock for the transfer; False if another host holds it."""
-    import fcntl
-
-    fd = os.open(private_dir(host_dir(spec)) / ".lock", os.O_RDWR | os.O_CREAT, 0o600)
-    try:
-        fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
-    except BlockingIOError:
-        os.close(fd)
+    fd = try_lock(private_dir(host_dir(spec)) / ".lock")
+    if fd is None:
         return False
     _host_lock.append(fd)
     return True

@@ -11,7 +11,6 @@ machine. No Twisted here: read tasks import this module.
 from __future__ import annotations
 
 import contextlib
-import fcntl
 import json
 import os
 import uuid
@@ -22,6 +21,7 @@ import pyarrow as pa
 import pyarrow.ipc as ipc
 
 from ..errors import TransferError
+from .lifetime import try_lock
 from .protocol import Manifest
 
 MANIFEST_FILE = "manifest.json"
@@ -89,13 +89,7 @@ def rows_of(path: Path) -> int:
 def take_lane_lock(staging: LaneStaging) -> int | None:
     """The lane's lock on this machine (its file descriptor), or None if a process holds it."""
     staging.ensure()
-    fd = os.open(staging.dir / ".lock", os.O_RDWR | os.O_CREAT, 0o600)
-    try:
-        fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
-    except BlockingIOError:
-        os.close(fd)
-        return None
-    return fd
+    return try_lock(staging.dir / ".lock")
 
 
 def write_host_error(staging: LaneStaging, error: BaseException) -> None:
@@ -120,11 +114,8 @@ def host_alive(staging: LaneStaging) -> bool:
     """Whether a process holds the lane's lock (a live receiver)."""
     if not staging.dir.is_dir():
         return False  # removed: its host ended with the application
-    fd = os.open(staging.dir / ".lock", os.O_RDWR | os.O_CREAT, 0o600)
-    try:
-        fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
-    except BlockingIOError:
+    fd = try_lock(staging.dir / ".lock")
+    if fd is None:
         return True
-    finally:
-        os.close(fd)  # also drops the lock if we got it
+    os.close(fd)  # drops the lock we got
     return False
