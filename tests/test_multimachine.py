@@ -360,14 +360,14 @@ def test_reader_application_killed_mid_transfer(net_clusters: NetClusters) -> No
 def test_worker_killed_mid_transfer(net_clusters: NetClusters) -> None:
     """A reader machine is lost while its lane receives (a partition in flight, none
     confirmed yet: first attempts pause 40 s after their header): Spark runs the lane
-    again on another executor, the registry lets it receive anew, the senders'
-    attempts fail after the writer's reconnect_timeout (20 s here) and Spark retries
-    them: the rows are exact. (Had the lost lane confirmed a partition, both sides
+    again on another executor, the registry lets it receive anew, the senders' pools
+    find that new incarnation in the lane's lobby seconds after their connections
+    went down (not after reconnect_timeout, 120 s) and send again the partitions in
+    flight: the rows are exact. (Had the lost lane confirmed a partition, both sides
     would fail with "cannot heal": tests/test_spark_transfer.py.)"""
     nc = net_clusters
     writer, writer_log = _send(
         nc, "11-worker-lost", "wlost", "--option", "test_fail=sender-pause:40",
-        "--option", "reconnect_timeout=20",
     )  # fmt: skip
     reader = Reader(nc, "11-worker-lost", "wlost")
     assert "error" not in reader.loaded()

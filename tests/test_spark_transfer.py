@@ -9,6 +9,8 @@ Every test compares content, never only counts.
 from __future__ import annotations
 
 import json
+import os
+import signal
 import subprocess
 import sys
 import threading
@@ -377,3 +379,37 @@ def test_early_lanes_run_more_lanes_than_task_slots(
     df.show(2)
     assert df.count() == 40_000
     assert _rows(df).equals(table.cast(_rows(df).schema))
+
+
+def test_lane_host_killed_mid_transfer_is_replaced_in_seconds(
+    wormhole_servers: Any, tmp_path: Path
+) -> None:
+    """SIGKILL of a lane host while partitions are in flight: the read task starts a
+    new one, the sender's pool finds the new incarnation in the lane's lobby a few
+    seconds after its connection went down (it would otherwise wait for its
+    reconnect_timeout, 300 s here) and sends the partitions in flight again: exact rows."""
+    table, (sender, thread, box) = _python_sender(
+        wormhole_servers, tmp_path, 200_000, reconnect_timeout=300,
+        test_fail="sender-pause:6",
+    )  # fmt: skip
+    receiver = peer(
+        "receive", sender.code, wormhole_servers, tmp_path, "--master", "local[2,2]",
+        "--no-show", "--out", str(tmp_path / "out"), "--option", staging(tmp_path),
+    )  # fmt: skip
+    deadline = time.monotonic() + 240
+    while not list((tmp_path / "staging").glob("*/lane-0/.p*.partial")):
+        assert time.monotonic() < deadline and receiver.proc.poll() is None, "no partial in time"
+        time.sleep(0.05)
+    pid_file = next((tmp_path / "staging").glob("*/lane-0/host.pid"))
+    victim = int(pid_file.read_text())
+    os.kill(victim, signal.SIGKILL)
+    killed = time.monotonic()
+    thread.join(200)
+    sender_took = time.monotonic() - killed
+    got = receiver.result()
+    print(f"lane host {victim} killed; the sender ended {sender_took:.1f} s later")
+    assert "error" not in box, box
+    assert "error" not in got, got
+    assert read_parquet(tmp_path / "out").equals(table)
+    # Well inside the 300 s reconnect_timeout: the replacement was found by probing.
+    assert sender_took < 150, sender_took

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import itertools
 import random
 
 import pyarrow as pa
@@ -25,8 +26,10 @@ from spark_dilation.transfer.protocol import (
     decode_message,
     decode_session_message,
     lane_of,
+    peer_incarnation,
     peer_role,
     rendezvous_versions,
+    same_incarnation,
     schema_fingerprint,
     slot_code,
     split_batch,
@@ -36,10 +39,12 @@ from spark_dilation.transfer.rendezvous import (
     CROWDED,
     HALF_DEAD,
     PAIRED,
+    SAME_INCARNATION,
     SAME_ROLE,
     SlotPolicy,
 )
 from spark_dilation.transfer.report import ConnectionStats, merge_stats
+from spark_dilation.transfer.sender import PROBE_GAP_MAX, REPLACE_AFTER, ReplacementClock
 from spark_dilation.wormhole.codes import validate_code
 
 SECRET = bytes(range(32))
@@ -342,3 +347,34 @@ def test_merge_stats_keeps_the_latest_per_process() -> None:
     # A process's last snapshot after its connections closed still has the path seen before.
     closed = [*stats[:1], ConnectionStats("a:1", 1, 0, ("unknown",))]
     assert merge_stats(closed) == (1, 0, "direct")
+
+
+def test_a_probe_tells_the_same_lane_incarnation_from_a_replacement() -> None:
+    lane = rendezvous_versions("t1", "lane", 0, incarnation="aaa")
+    probe_same = rendezvous_versions("t1", "sender", 0, probe="aaa")
+    probe_other = rendezvous_versions("t1", "sender", 0, probe="old")
+    plain = rendezvous_versions("t1", "sender", 0)
+    assert peer_incarnation(lane) == "aaa" and peer_incarnation(plain) == ""
+    # Both sides decide the same from the two versions.
+    assert same_incarnation(probe_same, lane) and same_incarnation(lane, probe_same)
+    assert not same_incarnation(probe_other, lane) and not same_incarnation(lane, probe_other)
+    assert not same_incarnation(plain, lane)  # an ordinary sender pairs
+    assert not same_incarnation(probe_same, {})
+    # The sender stops probing (the lane lives); the lane burns the slot and moves on.
+    step = SlotPolicy("sender").after(4, SAME_INCARNATION)
+    assert step.action == "alive" and not step.release
+    step = SlotPolicy("lane").after(4, SAME_INCARNATION)
+    assert step.action == "probe" and step.slot == 5 and not step.release
+
+
+def test_replacement_probes_start_after_a_while_down_then_back_off() -> None:
+    clock = ReplacementClock()
+    key = ("t1", 0)
+    assert not clock.observe(key, True, 100.0)  # just went down
+    assert not clock.observe(key, True, 100.0 + REPLACE_AFTER - 0.1)
+    due = [t for t in range(100, 400) if clock.observe(key, True, float(t))]
+    gaps = [b - a for a, b in itertools.pairwise(due)]
+    assert due[0] == 100 + REPLACE_AFTER and gaps == sorted(gaps) and max(gaps) <= PROBE_GAP_MAX + 1
+    assert not clock.observe(key, False, 500.0)  # back up: forgotten
+    assert not clock.observe(key, True, 501.0)
+    assert clock.observe(key, True, 501.0 + REPLACE_AFTER)

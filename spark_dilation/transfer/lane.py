@@ -178,6 +178,7 @@ class LaneReceiver:
                     start_slot=slot,
                     cancel=self._stop,
                     what=f"senders of lane {self.lane}",
+                    incarnation=self.incarnation,
                 )
                 slot = paired.slot + 1
                 conn = dilate_paired(

@@ -92,20 +92,60 @@ def slot_code(secret: bytes, lane: int, slot: int) -> str:
     return f"{nameplate}-{password}"
 
 
-def rendezvous_versions(transfer_id: str, role: str, lane: int) -> dict[str, Any]:
-    """``app_versions`` of a rendezvous wormhole: who we are, so a pairing can be checked."""
-    return {PROTOCOL: {"version": VERSION, "transfer": transfer_id, "role": role, "lane": lane}}
+def rendezvous_versions(
+    transfer_id: str, role: str, lane: int, *, incarnation: str = "", probe: str = ""
+) -> dict[str, Any]:
+    """``app_versions`` of a rendezvous wormhole: who we are, so a pairing can be checked.
+
+    A lane names its ``incarnation``. A sender whose connection to the lane
+    incarnation ``probe`` is down looks for a replacement with ``probe`` set
+    (see :func:`same_incarnation`).
+    """
+    entry: dict[str, Any] = {"version": VERSION, "transfer": transfer_id, "role": role}
+    entry["lane"] = lane
+    if incarnation:
+        entry["incarnation"] = incarnation
+    if probe:
+        entry["probe"] = probe
+    return {PROTOCOL: entry}
 
 
 def peer_role(app_versions: dict[str, Any], transfer_id: str, lane: int) -> str | None:
     """The peer's role if it is a rendezvous peer of this transfer and lane, else None."""
-    entry = app_versions.get(PROTOCOL) if isinstance(app_versions, dict) else None
-    if not isinstance(entry, dict):
+    entry = _rendezvous_entry(app_versions)
+    if entry is None:
         return None
     if entry.get("transfer") != transfer_id or entry.get("lane") != lane:
         return None
     role = entry.get("role")
     return role if role in (ROLE_SENDER, ROLE_LANE) else None
+
+
+def peer_incarnation(app_versions: dict[str, Any]) -> str:
+    """The lane incarnation a rendezvous peer names ("" if none)."""
+    entry = _rendezvous_entry(app_versions)
+    return str(entry.get("incarnation", "")) if entry else ""
+
+
+def same_incarnation(ours: dict[str, Any], theirs: dict[str, Any]) -> bool:
+    """A sender's probe met the very lane incarnation it is still connected to.
+
+    Both sides decide the same from the two ``app_versions``: the lane is
+    alive and its connection only down, so neither keeps the pairing (the
+    sender waits for the reconnect; the lane burns the slot). A probe that
+    meets another incarnation pairs: the old one was replaced.
+    """
+    a, b = _rendezvous_entry(ours), _rendezvous_entry(theirs)
+    if a is None or b is None:
+        return False
+    lane, sender = (a, b) if a.get("role") == ROLE_LANE else (b, a)
+    probe = sender.get("probe")
+    return bool(probe) and probe == lane.get("incarnation")
+
+
+def _rendezvous_entry(app_versions: Any) -> dict[str, Any] | None:
+    entry = app_versions.get(PROTOCOL) if isinstance(app_versions, dict) else None
+    return entry if isinstance(entry, dict) else None
 
 
 def lane_of(partition: int, lanes: int) -> int:

@@ -25,7 +25,16 @@ alone for T_pair    leave cleanly; restart from  stay: this is the lobby
                     slot 0 after a backoff
 peer key, no        burn the slot (its peer      burn the slot, next slot
 versions in T_pair  died there), next slot
+the lane it probes  burn the slot; the lane is   burn the slot, next slot
+(same incarnation)  alive: stop probing
 ==================  ===========================  ================================
+
+The last row serves a sender whose connection to a lane has been down for a
+while (:class:`~.sender.ConnectionPool`): it *probes* the lane's lobby naming
+the incarnation it is connected to. The same incarnation means the lane lives
+and only the path is down (wait for Dilation's reconnect); another one means
+the lane was replaced (its process or machine was lost), so the sender pairs
+with the new one at once instead of waiting ``reconnect_timeout``.
 """
 
 from __future__ import annotations
@@ -48,8 +57,10 @@ from .protocol import (
     RENDEZVOUS_APPID,
     ROLE_LANE,
     ROLE_SENDER,
+    peer_incarnation,
     peer_role,
     rendezvous_versions,
+    same_incarnation,
     slot_code,
 )
 
@@ -67,6 +78,7 @@ PAIRED = "paired"
 SAME_ROLE = "same-role"
 ALONE = "alone"
 HALF_DEAD = "half-dead"
+SAME_INCARNATION = "same-incarnation"
 
 
 @dataclass(frozen=True)
@@ -108,6 +120,12 @@ class SlotPolicy:
         self._crowded_retries = 0
         if outcome == HALF_DEAD:
             return Step("probe", slot + 1, release=False)
+        if outcome == SAME_INCARNATION:
+            return (
+                Step("probe", slot + 1, release=False)
+                if lane
+                else Step("alive", slot, release=False)
+            )
         if outcome == SAME_ROLE:
             if lane:
                 return Step("probe", slot + 1, release=False)
@@ -127,6 +145,7 @@ class SlotPolicy:
 class _Probe:
     wormhole: Any
     outcome: str = ""
+    peer_incarnation: str = ""
 
 
 def _probe_slot(
@@ -139,6 +158,7 @@ def _probe_slot(
     role: str,
     pair_timeout: float,
     wait_alone: bool,
+    versions: dict[str, Any],
 ) -> defer.Deferred:
     """Claim one slot; fires with a :class:`_Probe` whose outcome is one of the constants.
 
@@ -152,7 +172,7 @@ def _probe_slot(
         RENDEZVOUS_APPID,
         mailbox_url,
         reactor,
-        app_versions=rendezvous_versions(transfer_id, role, lane),
+        app_versions=versions,
         dilation=True,
         keep_nameplate=True,
     )
@@ -186,7 +206,10 @@ def _probe_slot(
 
     def on_versions(app_versions: dict[str, Any]) -> None:
         other = peer_role(app_versions, transfer_id, lane)
-        if other is not None and other != role:
+        probe.peer_incarnation = peer_incarnation(app_versions)
+        if other is not None and other != role and same_incarnation(versions, app_versions):
+            finish(SAME_INCARNATION)
+        elif other is not None and other != role:
             finish(PAIRED)
         else:
             log.debug("slot %d of lane %d: peer role %r, ours %r", slot, lane, other, role)
@@ -245,12 +268,17 @@ class RendezvousCancelled(DilationError):
     """The pairing was cancelled (the lane finished, or the caller gave up)."""
 
 
+class LaneAlive(DilationError):
+    """A probe met the lane incarnation it named: the lane lives (see the module docstring)."""
+
+
 @dataclass
 class Paired:
-    """A paired rendezvous wormhole, not yet dilated."""
+    """A paired rendezvous wormhole, not yet dilated; the lane's incarnation if it named one."""
 
     wormhole: Any
     slot: int
+    incarnation: str = ""
 
 
 def pair(
@@ -265,17 +293,22 @@ def pair(
     pair_timeout: float = DEFAULT_PAIR_TIMEOUT,
     cancel: threading.Event | None = None,
     what: str = "",
+    incarnation: str = "",
+    probe: str = "",
 ) -> Paired:
     """Pair with a peer of the other role on ``lane`` (blocking; not in the reactor).
 
     ``deadline`` is a ``time.monotonic()`` value (None: wait forever, for a
     lane's lobby). Raises :class:`RendezvousTimeout` when it passes,
     :class:`RendezvousCancelled` when ``cancel`` is set, and the mailbox's
-    own errors (server unreachable) as they are.
+    own errors (server unreachable) as they are. A lane names its
+    ``incarnation``; a sender that ``probe``s for a replacement of that lane
+    incarnation gets :class:`LaneAlive` if it is still the one in the lobby.
     """
     from twisted.internet import reactor
 
     ensure_reactor()
+    versions = rendezvous_versions(transfer_id, role, lane, incarnation=incarnation, probe=probe)
     policy = SlotPolicy(role)
     step = policy.first(start_slot)
     while True:
@@ -293,6 +326,7 @@ def pair(
             role,
             pair_timeout,
             role == ROLE_LANE,
+            versions,
         )
         while True:
             try:
@@ -307,9 +341,11 @@ def pair(
         step = policy.after(slot, probe.outcome)
         if probe.outcome == PAIRED:
             log.debug("lane %d: paired as %s on slot %d", lane, role, slot)
-            return Paired(probe.wormhole, slot)
+            return Paired(probe.wormhole, slot, probe.peer_incarnation)
         if probe.outcome != CROWDED:
             crochet.run_in_reactor(_leave)(probe, step.release).wait(10)
+        if step.action == "alive":
+            raise LaneAlive(f"{what or f'lane {lane}'} is alive on slot {slot}")
 
 
 def _expired(deadline: float | None) -> bool:
@@ -364,7 +400,9 @@ __all__ = [
     "CROWDED",
     "HALF_DEAD",
     "PAIRED",
+    "SAME_INCARNATION",
     "SAME_ROLE",
+    "LaneAlive",
     "Paired",
     "RendezvousCancelled",
     "RendezvousTimeout",

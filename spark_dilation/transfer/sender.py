@@ -25,6 +25,7 @@ from collections.abc import Iterable
 from concurrent.futures import ThreadPoolExecutor
 from typing import Any
 
+import crochet
 import pyarrow as pa
 
 from ..dilation.blocking import BlockingDilationError, DilationTimeout
@@ -52,7 +53,7 @@ from .protocol import (
     encode_json,
     lane_of,
 )
-from .rendezvous import RendezvousTimeout, dilate_paired, pair
+from .rendezvous import LaneAlive, Paired, RendezvousTimeout, dilate_paired, pair
 from .report import ConnectionStats, is_reconnecting, path_of, reconnects_of
 from .spec import TransferSpec
 
@@ -77,13 +78,56 @@ def process_name() -> str:
     return f"{socket.gethostname()}:{os.getpid()}"
 
 
+# A lane connection down this long may have lost its lane (process or machine
+# gone and a new incarnation waiting in a new lobby): probe the lobby, then
+# again after twice the gap, up to PROBE_GAP_MAX. Dilation itself would wait
+# reconnect_timeout (120 s) before giving up on the old one.
+REPLACE_AFTER = 2.0
+PROBE_GAP_MAX = 30.0
+PROBE_WINDOW = 10.0  # one probe's deadline (it walks the lane's used slots)
+WATCH_INTERVAL = 1.0
+
+
+class ReplacementClock:
+    """When a down lane connection is probed for a replacement (pure; fed the clock)."""
+
+    def __init__(self) -> None:
+        self._due: dict[Any, tuple[float, float]] = {}  # key -> (next probe at, gap)
+
+    def observe(self, key: Any, down: bool, now: float) -> bool:
+        """Record whether ``key``'s connection is down now; True when a probe is due."""
+        if not down:
+            self._due.pop(key, None)
+            return False
+        at, gap = self._due.setdefault(key, (now + REPLACE_AFTER, REPLACE_AFTER))
+        if now < at:
+            return False
+        gap = min(2 * gap, PROBE_GAP_MAX)
+        self._due[key] = (now + gap, gap)
+        return True
+
+    def forget(self, key: Any) -> None:
+        self._due.pop(key, None)
+
+
 class ConnectionPool:
-    """Dilation connections of this process, one per (transfer, lane); thread-safe."""
+    """Dilation connections of this process, one per (transfer, lane); thread-safe.
+
+    A watcher thread probes the lobby of a lane whose connection has been down
+    for :data:`REPLACE_AFTER` seconds: if another incarnation of the lane waits
+    there, the lane was replaced, and the pool swaps in a connection to it
+    (partitions in flight on the old one fail as retryable losses and go again).
+    """
 
     def __init__(self) -> None:
         self._lock = threading.Lock()
         self._conns: dict[tuple[str, int], Any] = {}
         self._making: dict[tuple[str, int], threading.Lock] = {}
+        # key -> (spec, slot, lane incarnation) of the pooled connection
+        self._paired: dict[tuple[str, int], tuple[TransferSpec, int, str]] = {}
+        self._probing: set[tuple[str, int]] = set()
+        self._clock = ReplacementClock()
+        self._watcher: threading.Thread | None = None
         self.opened: dict[str, int] = {}  # transfer -> connections opened
         self.paths: dict[str, list[str]] = {}
 
@@ -98,26 +142,43 @@ class ConnectionPool:
                 return conn
             if conn is not None:
                 self.evict(spec.transfer_id, lane, conn)
-            conn = self._connect(spec, lane, deadline, what)
+            try:
+                paired = self._pair(spec, lane, deadline)
+            except RendezvousTimeout:
+                raise LaneNotStartedError(
+                    lane, spec.lanes, spec.options.lane_start_timeout, what
+                ) from None
+            conn = self._dilate(spec, lane, paired)
             with self._lock:
-                self._conns[key] = conn
-                self.opened[spec.transfer_id] = self.opened.get(spec.transfer_id, 0) + 1
+                self._adopt(key, spec, paired, conn)
             return conn
 
-    def _connect(self, spec: TransferSpec, lane: int, deadline: float, what: str) -> Any:
+    def _adopt(self, key: tuple[str, int], spec: TransferSpec, paired: Paired, conn: Any) -> None:
+        self._conns[key] = conn
+        self._paired[key] = (spec, paired.slot, paired.incarnation)
+        self._clock.forget(key)
+        self.opened[spec.transfer_id] = self.opened.get(spec.transfer_id, 0) + 1
+        if self._watcher is None:
+            self._watcher = threading.Thread(target=self._watch, name="lane-watch", daemon=True)
+            self._watcher.start()
+
+    def _pair(
+        self, spec: TransferSpec, lane: int, deadline: float, start_slot: int = 0, probe: str = ""
+    ) -> Paired:
+        return pair(
+            mailbox_url=spec.options.mailbox_url,
+            secret=spec.secret,
+            transfer_id=spec.transfer_id,
+            lane=lane,
+            role=ROLE_SENDER,
+            start_slot=start_slot,
+            deadline=deadline,
+            what=f"lane {lane}",
+            probe=probe,
+        )
+
+    def _dilate(self, spec: TransferSpec, lane: int, paired: Paired) -> Any:
         opts = spec.options
-        try:
-            paired = pair(
-                mailbox_url=opts.mailbox_url,
-                secret=spec.secret,
-                transfer_id=spec.transfer_id,
-                lane=lane,
-                role=ROLE_SENDER,
-                deadline=deadline,
-                what=f"lane {lane}",
-            )
-        except RendezvousTimeout:
-            raise LaneNotStartedError(lane, spec.lanes, opts.lane_start_timeout, what) from None
         conn = dilate_paired(
             paired,
             relay_url=opts.relay_url,
@@ -130,6 +191,66 @@ class ConnectionPool:
             "connected to lane %d of transfer %s (slot %d)", lane, spec.transfer_id, paired.slot
         )
         return conn
+
+    # --- replaced lanes ------------------------------------------------------------
+
+    def _watch(self) -> None:
+        while True:
+            time.sleep(WATCH_INTERVAL)
+            with self._lock:
+                conns = list(self._conns.items())
+            now = time.monotonic()
+            for key, conn in conns:
+                try:
+                    down = is_reconnecting(conn.status())
+                except DilationError:
+                    continue
+                with self._lock:
+                    due = self._clock.observe(key, down, now) and key not in self._probing
+                    if due and self._paired.get(key, (None, 0, ""))[2]:
+                        self._probing.add(key)
+                    else:
+                        continue
+                threading.Thread(target=self._replace, args=(key, conn), daemon=True).start()
+
+    def _replace(self, key: tuple[str, int], old: Any) -> None:
+        """Pair with a new incarnation of the lane if one waits in its lobby (a probe)."""
+        transfer_id, lane = key
+        with self._lock:
+            entry = self._paired.get(key)
+            if entry is None:  # the transfer was closed meanwhile
+                self._probing.discard(key)
+                return
+        spec, slot, incarnation = entry
+        try:
+            paired = self._pair(
+                spec, lane, time.monotonic() + PROBE_WINDOW, start_slot=slot + 1, probe=incarnation
+            )
+            conn = self._dilate(spec, lane, paired)
+        except LaneAlive:
+            log.info("lane %d of transfer %s lives; waiting for its reconnect", lane, transfer_id)
+            return
+        except crochet.ReactorStopped:  # the process is exiting
+            return
+        except DilationError as e:  # no lobby yet, mailbox trouble: probe again later
+            log.info("lane %d of transfer %s: no replacement found: %s", lane, transfer_id, e)
+            return
+        finally:
+            with self._lock:
+                self._probing.discard(key)
+        with self._lock:
+            swap = self._conns.get(key) is old
+            if swap:
+                self._adopt(key, spec, paired, conn)
+        if not swap:
+            _quiet_close(conn)
+            return
+        log.warning(
+            "lane %d of transfer %s: its receiver was replaced (incarnation %s, now %s) while "
+            "the connection was down; partitions in flight go again to the new one",
+            lane, transfer_id, incarnation, paired.incarnation,
+        )  # fmt: skip
+        threading.Thread(target=_quiet_close, args=(old, 0.0), daemon=True).start()
 
     def evict(self, transfer_id: str, lane: int, conn: Any = None) -> None:
         with self._lock:
@@ -164,13 +285,15 @@ class ConnectionPool:
         with self._lock:
             keys = [k for k in self._conns if k[0] == transfer_id]
             conns = [self._conns.pop(k) for k in keys]
+            for k in keys:
+                self._paired.pop(k, None)
         for c in conns:
             _quiet_close(c)
 
 
-def _quiet_close(conn: Any) -> None:
+def _quiet_close(conn: Any, linger: float = 2.0) -> None:
     try:
-        conn.close(timeout=10, linger=2)
+        conn.close(timeout=10, linger=linger)
     except Exception as e:  # teardown
         log.info("closing a pooled connection: %s", e)
 
