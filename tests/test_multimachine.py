@@ -19,6 +19,7 @@ from typing import Any
 import pytest
 
 from spark_dilation.testing.netcluster import Cluster, Machine, NetClusters
+from spark_dilation.testing.stepped_reader import SteppedReader
 
 ROWS = 200_000
 # Two Spark applications per test on a 2-core machine: more than the suite's default.
@@ -45,47 +46,14 @@ def _report(log: Path) -> dict[str, Any]:
     return json.loads(lines[-1].split(REPORT_PREFIX, 1)[1])
 
 
-def _wait_file(path: Path, timeout: float, log: Path) -> dict[str, Any]:
-    deadline = time.monotonic() + timeout
-    while not path.exists():
-        assert time.monotonic() < deadline, f"no {path.name} in {timeout} s:\n{_tail(log)}"
-        time.sleep(0.2)
-    return json.loads(path.read_text())
-
-
-class Reader:
-    """The stepped reader application on cluster B (spark_dilation.testing.stepped_reader)."""
-
-    def __init__(self, nc: NetClusters, code: str, name: str) -> None:
-        self.control = nc.log_dir / name
-        self.control.mkdir()
-        self.log = nc.log_dir / f"{name}-reader.log"
-        self.proc = nc.run_driver(
-            nc.b,
-            [
-                PY, "-m", "spark_dilation.testing.stepped_reader", "--code", code,
-                "--mailbox", nc.mailbox_url, "--relay", nc.relay_url,
-                "--master", nc.b.master_url, "--control", str(self.control),
-            ],
-            self.log,
-        )  # fmt: skip
-        self.step_no = 0
-
-    def loaded(self, timeout: float = 300) -> dict[str, Any]:
-        return _wait_file(self.control / "loaded.json", timeout, self.log)
-
-    def step(self, action: str, timeout: float = 600, **extra: Any) -> dict[str, Any]:
-        self.start(action, **extra)
-        return self.result(timeout)
-
-    def start(self, action: str, **extra: Any) -> None:
-        self.step_no += 1
-        (self.control / f"step-{self.step_no}.json").write_text(
-            json.dumps({"action": action, **extra})
-        )
-
-    def result(self, timeout: float = 600) -> dict[str, Any]:
-        return _wait_file(self.control / f"result-{self.step_no}.json", timeout, self.log)
+def Reader(nc: NetClusters, code: str, name: str) -> SteppedReader:
+    """The stepped reader application on cluster B."""
+    return SteppedReader(
+        lambda argv, log: nc.run_driver(nc.b, argv, log),
+        nc.log_dir / name,
+        nc.log_dir / f"{name}-reader.log",
+        code=code, mailbox=nc.mailbox_url, relay=nc.relay_url, master=nc.b.master_url,
+    )  # fmt: skip
 
 
 def _send(nc: NetClusters, code: str, name: str, *extra: str) -> tuple[Any, Path]:

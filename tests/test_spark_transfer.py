@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import json
 import os
+import shutil
 import signal
 import subprocess
 import sys
@@ -25,6 +26,7 @@ import pytest
 
 from spark_dilation.testing import TcpProxy
 from spark_dilation.testing.peer_process import PeerProcess
+from spark_dilation.testing.stepped_reader import SteppedReader
 from spark_dilation.transfer import receive_dataset, send_in_background
 
 
@@ -413,3 +415,53 @@ def test_lane_host_killed_mid_transfer_is_replaced_in_seconds(
     assert read_parquet(tmp_path / "out").equals(table)
     # Well inside the 300 s reconnect_timeout: the replacement was found by probing.
     assert sender_took < 150, sender_took
+
+
+def _app_processes(marker: str) -> list[int]:
+    """Our helper processes (lane, reader, sender hosts) whose command line names ``marker``."""
+    found = []
+    for proc in Path("/proc").iterdir():
+        try:
+            cmd = (proc / "cmdline").read_bytes().replace(b"\0", b" ").decode(errors="replace")
+        except OSError:
+            continue
+        if "spark_dilation.transfer." in cmd and marker in cmd:
+            found.append(int(proc.name))
+    return found
+
+
+def test_staging_deleted_then_another_action_cannot_heal(
+    wormhole_servers: Any, tmp_path: Path
+) -> None:
+    """The reader's staging is deleted under a loaded DataFrame (a temp cleaner, a user):
+    the next action fails with "cannot heal" within seconds instead of waiting for a
+    sender that has finished; when the application ends nothing of it is left."""
+    table, (sender, thread, box) = _python_sender(wormhole_servers, tmp_path, 50_000)
+    reader = SteppedReader(
+        lambda argv, log: subprocess.Popen(argv, stdout=log.open("wb"), stderr=subprocess.STDOUT),
+        tmp_path / "control", tmp_path / "reader.log", code=sender.code,
+        mailbox=wormhole_servers.mailbox_url, relay=wormhole_servers.relay_url,
+        master="local[2]", options=[staging(tmp_path)],
+    )  # fmt: skip
+    try:
+        assert "error" not in reader.loaded()
+        assert reader.step("count")["count"] == table.num_rows
+        thread.join(60)
+        assert "error" not in box, box
+        transfers = [d for d in (tmp_path / "staging").iterdir() if "registry" not in d.name]
+        assert len(transfers) == 1, transfers
+        shutil.rmtree(transfers[0])
+        started = time.monotonic()
+        failed = reader.step("count", timeout=300)
+        took = time.monotonic() - started
+        print(f"the action after the staging was deleted failed in {took:.1f} s: {failed}")
+        assert "cannot heal" in failed.get("error", ""), failed
+        assert reader.step("stop")["action"] == "stop"
+        assert reader.proc.wait(60) == 0
+        deadline = time.monotonic() + 30
+        while _app_processes(str(tmp_path)):
+            assert time.monotonic() < deadline, _app_processes(str(tmp_path))
+            time.sleep(0.2)
+        assert not list((tmp_path / "staging").iterdir())
+    finally:
+        reader.proc.kill()

@@ -20,8 +20,10 @@ from __future__ import annotations
 import argparse
 import json
 import os
+import subprocess
 import sys
 import time
+from collections.abc import Callable, Sequence
 from pathlib import Path
 from typing import Any
 
@@ -50,6 +52,60 @@ def run_action(spark: Any, df: Any, step: dict[str, Any]) -> dict[str, Any]:
         df.write.mode("overwrite").parquet(step["path"])
         return {"digest": digest(spark.read.parquet(step["path"]))}
     raise ValueError(f"unknown action {action!r}")
+
+
+class SteppedReader:
+    """The test's side: start the application (``start(argv, log)`` returns its
+    ``Popen``), then ``step(action)`` and read each result."""
+
+    def __init__(
+        self,
+        start: Callable[[list[str], Path], subprocess.Popen[bytes]],
+        control: Path,
+        log: Path,
+        *,
+        code: str,
+        mailbox: str,
+        relay: str | None,
+        master: str,
+        options: Sequence[str] = (),
+    ) -> None:
+        self.control, self.log = control, log
+        control.mkdir(parents=True)
+        argv = [
+            sys.executable, "-m", "spark_dilation.testing.stepped_reader", "--code", code,
+            "--mailbox", mailbox, "--master", master, "--control", str(control),
+        ]  # fmt: skip
+        if relay:
+            argv += ["--relay", relay]
+        for option in options:
+            argv += ["--option", option]
+        self.proc = start(argv, log)
+        self.step_no = 0
+
+    def loaded(self, timeout: float = 300) -> dict[str, Any]:
+        return self._wait("loaded.json", timeout)
+
+    def step(self, action: str, timeout: float = 600, **extra: Any) -> dict[str, Any]:
+        self.start(action, **extra)
+        return self.result(timeout)
+
+    def start(self, action: str, **extra: Any) -> None:
+        self.step_no += 1
+        _write(self.control / f"step-{self.step_no}.json", {"action": action, **extra})
+
+    def result(self, timeout: float = 600) -> dict[str, Any]:
+        return self._wait(f"result-{self.step_no}.json", timeout)
+
+    def _wait(self, name: str, timeout: float) -> dict[str, Any]:
+        path = self.control / name
+        deadline = time.monotonic() + timeout
+        while not path.exists():
+            if time.monotonic() > deadline or self.proc.poll() is not None:
+                tail = self.log.read_text(errors="replace")[-3000:] if self.log.exists() else ""
+                raise AssertionError(f"no {name} in {timeout:g} s (or the reader ended):\n{tail}")
+            time.sleep(0.2)
+        return json.loads(path.read_text())
 
 
 def main(argv: list[str] | None = None) -> int:

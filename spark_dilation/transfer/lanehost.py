@@ -36,6 +36,7 @@ log = logging.getLogger(__name__)
 WAIT_POLL = 0.5  # how often a host asks again when no copy it was told of answered
 COPY_RETRY = 15.0  # how long a host tries the copies it was told of (the registry drops dead ones)
 ORPHAN_LINGER = 30.0  # a host that never reached its registry keeps its error this long
+STAGING_CHECK = 1.0  # how often a complete host checks that its staged copy still exists
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -102,7 +103,17 @@ class RegisteredLane:
                 done.update(connections=made, reconnects=reconnects, paths=paths)
             registry.report(done)
         log.info("lane %d: %s; serving until the application ends", self.lane, error or "complete")
-        self.ended.wait()
+        while not self.ended.wait(STAGING_CHECK):
+            if error is None and self.staging.manifest() is None:
+                # Deleted under us (a temp cleaner, a user). Leave: the registry then
+                # drops this copy, and with the last one gone the next action fails
+                # "cannot heal" at once. Remove nothing: the directory may be a new
+                # host's now.
+                log.warning(
+                    "lane %d: its staged copy in %s is gone; this host leaves",
+                    self.lane, self.staging.dir,
+                )  # fmt: skip
+                os._exit(0)
         server.close()
         return 0
 
