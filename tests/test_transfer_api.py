@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import subprocess
+import sys
 import threading
 import time
 from pathlib import Path
@@ -21,6 +23,7 @@ from spark_dilation.transfer import (
 from spark_dilation.transfer.lane import TransferAbortedError
 from spark_dilation.transfer.sender import LaneNotStartedError
 from spark_dilation.transfer.session import SenderSession, receive_session
+from spark_dilation.transfer.staging import LaneIdleError
 
 
 def mixed(rows: int) -> pa.Table:
@@ -181,3 +184,53 @@ def _catch(fn: Any) -> Any:
         return fn()
     except BaseException as e:
         return e
+
+
+_KILLED_SENDER = """
+import sys
+import pyarrow as pa
+from spark_dilation.transfer import send_dataset
+table = pa.table({"id": pa.array(range(200_000), pa.int64())})
+send_dataset(table, code=sys.argv[1], mailbox=sys.argv[2], relay=sys.argv[3],
+             staging_dir=sys.argv[4], test_fail="sender-pause:120")
+"""
+
+
+def test_a_sender_killed_without_a_word_ends_the_receiver_after_reconnect_timeout(
+    opts: dict[str, Any], tmp_path: Path
+) -> None:
+    """SIGKILL of the sending process mid-partition: nothing tells the receiver, whose
+    lane ends once Dilation gave up on the connection (reconnect_timeout, 5 s here)
+    instead of after idle_timeout (600 s), naming the option; nothing of it is left."""
+    code = "7-killed-sender"
+    sender = subprocess.Popen(
+        [sys.executable, "-c", _KILLED_SENDER, code, opts["mailbox"], opts["relay"],
+         str(tmp_path / "sender")],
+        stderr=(tmp_path / "sender.log").open("wb"),
+    )  # fmt: skip
+    box: dict[str, Any] = {}
+
+    def receive() -> None:
+        try:
+            box["got"] = receive_dataset(code, reconnect_timeout=5, peer_timeout=60, **opts)
+        except Exception as e:
+            box["error"] = e
+
+    thread = threading.Thread(target=receive, daemon=True)
+    thread.start()
+    staging = Path(opts["staging_dir"])
+    deadline = time.monotonic() + 60
+    try:
+        while not list(staging.glob("*/lane-*/.p*.partial")):
+            assert time.monotonic() < deadline, "no partition in flight"
+            time.sleep(0.05)
+    finally:
+        sender.kill()
+    killed = time.monotonic()
+    thread.join(120)
+    took = time.monotonic() - killed
+    print(f"the receiver ended {took:.1f} s after the sender was killed: {box}")
+    assert isinstance(box.get("error"), LaneIdleError), box
+    assert "did not come back within 5 s (reconnect_timeout)" in str(box["error"])
+    assert took < 60, took  # 5 s reconnect_timeout, then the lane ends (idle_timeout: 600 s)
+    assert not list(staging.glob("*/lane-*")), list(staging.rglob("*"))

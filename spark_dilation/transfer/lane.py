@@ -34,7 +34,12 @@ from typing import Any
 
 import crochet
 
-from ..dilation.blocking import BlockingDilationError, DilationTimeout
+from ..dilation.blocking import (
+    BlockingDilationError,
+    DilationClosed,
+    DilationTimeout,
+    SubchannelClosed,
+)
 from ..errors import DilationError, TransferError
 from .protocol import (
     CONTROL_SUBPROTOCOL,
@@ -93,6 +98,9 @@ class LaneReceiver:
         self.connections_made = 0
         self.reconnects = 0
         self.paths: list[str] = []
+        # Why the last sender connection ended, when Dilation gave up on it
+        # (down for reconnect_timeout); a clean close leaves it None.
+        self.gave_up: BaseException | None = None
         for partition in staging.complete():
             # Staged by an earlier incarnation on this machine: still good.
             self.book.completed(partition, -1, rows_of(staging.complete_path(partition)))
@@ -144,7 +152,19 @@ class LaneReceiver:
             while not self.finished:
                 self._cond.wait(0.5)
                 quiet = time.monotonic() - self.last_activity
-                if quiet > idle and not self.active_streams and not self.finished:
+                lost = self.gave_up is not None and not self._connections
+                if lost and not self.active_streams and not self.finished:
+                    # Every sender connection is gone and the last one did not come
+                    # back within reconnect_timeout: the sender ended without a word
+                    # (killed, machine lost) or the network between us is down.
+                    self.finished = True
+                    self.error = LaneIdleError(
+                        f"lane {self.lane}: the connection to the sender was lost and did not "
+                        f"come back within {self.spec.options.reconnect_timeout:g} s "
+                        f"(reconnect_timeout): {self.gave_up}. The sending process ended "
+                        "without a word, or the network between the two sides is down"
+                    )
+                elif quiet > idle and not self.active_streams and not self.finished:
                     self.finished = True
                     self.error = LaneIdleError(
                         f"lane {self.lane} heard nothing from the sender for {idle:g} s (no "
@@ -221,6 +241,8 @@ class LaneReceiver:
                 with self._cond:
                     if conn in self._connections:
                         self._connections.remove(conn)
+                        clean = isinstance(e, DilationClosed | SubchannelClosed)
+                        self.gave_up = None if clean else e
                         # Keep what it did for the report and the progress lines.
                         with contextlib.suppress(Exception):
                             status = conn.status()
