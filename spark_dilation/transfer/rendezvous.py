@@ -57,6 +57,9 @@ log = logging.getLogger(__name__)
 
 DEFAULT_PAIR_TIMEOUT = 3.0  # T_pair: a live peer confirms the key within milliseconds
 LANE_CROWDED_RETRIES = 3
+# How long a cancelled pairing waits for the mailbox to confirm its close (the
+# wormhole's own close timeout is longer; a stop must not hang on a dead server).
+CLOSE_WAIT = 5.0
 
 
 # --- the pure rule ------------------------------------------------------------------
@@ -139,12 +142,14 @@ def _probe_slot(
     role: str,
     pair_timeout: float,
     wait_alone: bool,
+    closing: list[defer.Deferred] | None = None,
 ) -> defer.Deferred:
     """Claim one slot; fires with a :class:`_Probe` whose outcome is one of the constants.
 
     The wormhole stays open when paired; otherwise it is already closed
     (released) or abandoned (burnt), as the policy wants. Cancelling the
-    Deferred closes the wormhole cleanly.
+    Deferred closes the wormhole cleanly; the close's Deferred is appended
+    to ``closing`` so the caller can wait for it.
     """
     from ..wormhole.client import Wormhole
 
@@ -180,7 +185,9 @@ def _probe_slot(
 
     def cancelled(_: defer.Deferred) -> None:
         cancel_timers()
-        w.close().addErrback(lambda _: None)
+        closed = w.close().addErrback(lambda _: None)
+        if closing is not None:
+            closing.append(closed)
 
     result = defer.Deferred(canceller=cancelled)
 
@@ -283,6 +290,7 @@ def pair(
             _sleep(step.delay, deadline, cancel)
         _check(deadline, cancel, what)
         slot = step.slot
+        closing: list[defer.Deferred] = []
         waiter = crochet.run_in_reactor(_probe_slot)(
             reactor,
             mailbox_url,
@@ -293,6 +301,7 @@ def pair(
             role,
             pair_timeout,
             role == ROLE_LANE,
+            closing,
         )
         while True:
             try:
@@ -303,6 +312,12 @@ def pair(
                     waiter.cancel()
                     with contextlib.suppress(Exception):
                         waiter.wait(1)  # consume the CancelledError (crochet logs it otherwise)
+                    # Wait for the mailbox to confirm the close: a process that
+                    # exits right after (a CLI after its transfer) would drop the
+                    # connection mid-close and log a lost connection.
+                    if closing:
+                        with contextlib.suppress(Exception):
+                            crochet.run_in_reactor(lambda d: d)(closing[0]).wait(CLOSE_WAIT)
                     _check(deadline, cancel, what)
         step = policy.after(slot, probe.outcome)
         if probe.outcome == PAIRED:
