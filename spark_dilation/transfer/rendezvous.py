@@ -357,7 +357,12 @@ def dilate_paired(
     timeout: float,
     receive_buffer: int | None = None,
 ) -> Any:
-    """Dilate a paired wormhole and wrap it in the blocking facade."""
+    """Dilate a paired wormhole and wrap it in the blocking facade.
+
+    ``peer_timeout`` (the transfer's ``reconnect_timeout``) is both the
+    Dilation connection's give-up and the blocking waits' peer deadline, so
+    the give-up error names the option's value.
+    """
     from ..dilation.api import dilate
     from ..dilation.blocking import BlockingDilation
 
@@ -365,7 +370,13 @@ def dilate_paired(
     w = paired.wormhole
 
     def start() -> Any:
-        return dilate(w, relay_url=relay_url, no_listen=no_listen, expected_subprotocols=names)
+        return dilate(
+            w,
+            relay_url=relay_url,
+            no_listen=no_listen,
+            expected_subprotocols=names,
+            reconnect_timeout=peer_timeout,
+        )
 
     dw = crochet.run_in_reactor(start)().wait(timeout)
     extra = {} if receive_buffer is None else {"receive_buffer": receive_buffer}
