@@ -27,7 +27,7 @@ from twisted.internet import defer, threads
 from . import __version__
 from .cli_progress import Reporter, pick_mode
 from .errors import DilationError, TransferError
-from .transfer.options import TransferOptionError
+from .transfer.options import DEFAULT_RELAY_URL, TransferOptionError, resolve_relay
 from .transit import filetransfer, offers
 from .transit.connector import TransitConnector
 from .wormhole import DEFAULT_MAILBOX_URL, Wormhole
@@ -38,36 +38,81 @@ log = logging.getLogger("spark_dilation.cli")
 
 MAILBOX_ENV = "SPARK_DILATION_MAILBOX"
 RELAY_ENV = "SPARK_DILATION_RELAY"
-DEFAULT_RELAY_URL = "tcp:transit.magic-wormhole.io:4001"
 EXIT_ERROR = 1
 EXIT_USAGE = 2
 WAIT_FOREVER = 7 * 24 * 3600.0  # "no --timeout" for the dataset API's deadlines
 
 
-def build_parser() -> argparse.ArgumentParser:
-    parser = argparse.ArgumentParser(
-        prog="spark-dilation",
-        description="Move data peer to peer with a Magic Wormhole code.",
-    )
-    parser.add_argument("--version", action="version", version=f"%(prog)s {__version__}")
-    parser.add_argument(
+class _Parser(argparse.ArgumentParser):
+    """Fills the shared options' defaults after parsing.
+
+    The shared options (:func:`_shared_options`) are accepted before and after
+    the subcommand; both copies default to SUPPRESS so that one given before
+    is not overwritten by the subcommand's default.
+    """
+
+    def parse_known_args(self, args: Any = None, namespace: Any = None) -> Any:
+        parsed, extra = super().parse_known_args(args, namespace)
+        for name, value in _shared_defaults().items():
+            if not hasattr(parsed, name):
+                setattr(parsed, name, value)
+        return parsed, extra
+
+
+def _shared_defaults() -> dict[str, Any]:
+    return {
+        "mailbox": os.environ.get(MAILBOX_ENV) or DEFAULT_MAILBOX_URL,
+        "appid": offers.APPID,
+        "verbose": 0,
+        "relay": os.environ.get(RELAY_ENV) or DEFAULT_RELAY_URL,
+        "no_listen": False,
+    }
+
+
+def _shared_options(transit: bool) -> argparse.ArgumentParser:
+    """Options taken before or after the subcommand: ``--mailbox X send`` = ``send --mailbox X``."""
+    shared = argparse.ArgumentParser(add_help=False, argument_default=argparse.SUPPRESS)
+    defaults = _shared_defaults()
+    shared.add_argument(
         "--mailbox",
         metavar="URL",
-        default=os.environ.get(MAILBOX_ENV, DEFAULT_MAILBOX_URL),
-        help=f"mailbox server WebSocket URL (env {MAILBOX_ENV}; default %(default)s)",
+        help=f"mailbox server WebSocket URL (env {MAILBOX_ENV}; default {defaults['mailbox']})",
     )
-    parser.add_argument(
-        "--appid", default=offers.APPID, help="application id (default: the wormhole CLI's)"
+    shared.add_argument("--appid", help="application id (default: the wormhole CLI's)")
+    shared.add_argument("-v", "--verbose", action="count", help="log more (-vv for debug)")
+    if transit:
+        shared.add_argument(
+            "--relay",
+            metavar="tcp:HOST:PORT",
+            help=f"transit relay, for peers with no direct route; 'none' for no relay "
+            f"(env {RELAY_ENV}; default {defaults['relay']})",
+        )
+        shared.add_argument(
+            "--no-listen",
+            action="store_true",
+            help="offer no direct connection (reach the peer only through relays)",
+        )
+    return shared
+
+
+def build_parser() -> argparse.ArgumentParser:
+    parser = _Parser(
+        prog="spark-dilation",
+        description="Move data peer to peer with a Magic Wormhole code.",
+        parents=[_shared_options(transit=True)],
     )
-    parser.add_argument(
-        "-v", "--verbose", action="count", default=0, help="log more (-vv for debug)"
+    parser.add_argument("--version", action="version", version=f"%(prog)s {__version__}")
+    shared = [_shared_options(transit=True)]
+    # Plain parsers below: only the top level fills the shared defaults.
+    sub = parser.add_subparsers(
+        dest="command", metavar="COMMAND", parser_class=argparse.ArgumentParser
     )
-    sub = parser.add_subparsers(dest="command", metavar="COMMAND")
     sub.required = True
 
     send = sub.add_parser(
         "send",
         help="send a dataset (Parquet/CSV/JSON-lines/Arrow files or folders), a file or a text",
+        parents=shared,
     )
     send.add_argument(
         "paths",
@@ -75,7 +120,9 @@ def build_parser() -> argparse.ArgumentParser:
         metavar="PATH",
         help="files or folders of one format (.parquet, .csv, .json/.jsonl, .arrow/.feather)",
     )
-    send.add_argument("--text", metavar="MESSAGE", help="send this text instead")
+    send.add_argument(
+        "--text", metavar="MESSAGE", help="send this text instead ('-': read it from stdin)"
+    )
     send.add_argument(
         "--classic",
         action="store_true",
@@ -93,10 +140,11 @@ def build_parser() -> argparse.ArgumentParser:
         help="datasets: Arrow IPC body compression (pays on slow links; default %(default)s)",
     )
     _add_timeout(send)
-    _add_transit_options(send)
     _add_progress_options(send)
 
-    receive = sub.add_parser("receive", help="receive a dataset, a file, a directory or a text")
+    receive = sub.add_parser(
+        "receive", help="receive a dataset, a file, a directory or a text", parents=shared
+    )
     receive.add_argument("code", nargs="?", help="the code (asked for if omitted)")
     receive.add_argument(
         "--accept-file", action="store_true", help="accept a file or directory without asking"
@@ -105,7 +153,8 @@ def build_parser() -> argparse.ArgumentParser:
         "-o",
         "--output-file",
         metavar="PATH",
-        help="datasets: the folder to write (default dataset-NAMEPLATE); files: save under "
+        help="datasets: the folder to write (default dataset-NAMEPLATE, or dataset-NAMEPLATE-2 "
+        "and so on if that exists); files: save under "
         "this name, or inside this existing directory",
     )
     receive.add_argument(
@@ -118,23 +167,49 @@ def build_parser() -> argparse.ArgumentParser:
         "--lanes", type=int, default=2, metavar="N", help="datasets: parallel lanes (default 2)"
     )
     _add_timeout(receive)
-    _add_transit_options(receive)
     _add_progress_options(receive)
 
-    serve = sub.add_parser("serve", help="run a mailbox server and transit relay in the foreground")
-    serve.add_argument("--interface", default="127.0.0.1", help="address to listen on")
-    serve.add_argument("--mailbox-port", type=int, default=4000)
-    serve.add_argument("--relay-port", type=int, default=4001)
+    verbosity = [_verbosity()]
+    serve = sub.add_parser(
+        "serve",
+        help="run a mailbox server and transit relay in the foreground",
+        parents=verbosity,
+    )
+    serve.add_argument(
+        "--interface", default="127.0.0.1", help="address to listen on (default %(default)s)"
+    )
+    serve.add_argument(
+        "--mailbox-port",
+        type=int,
+        default=4000,
+        metavar="PORT",
+        help="mailbox server port (default %(default)s; 0: any free port)",
+    )
+    serve.add_argument(
+        "--relay-port",
+        type=int,
+        default=4001,
+        metavar="PORT",
+        help="transit relay port (default %(default)s; 0: any free port)",
+    )
     serve.add_argument("--motd", help="message of the day shown to clients")
     serve.add_argument("--disallow-list", action="store_true", help="refuse to list nameplates")
 
     demo = sub.add_parser(
-        "demo", help="start embedded servers and run transfers, Spark to Spark, end to end"
+        "demo",
+        help="start embedded servers and run transfers, Spark to Spark, end to end",
+        parents=verbosity,
     )
     demo.add_argument("--no-spark", action="store_true", help="skip the Spark part")
     # Hidden: the test suite runs the demo with fewer rows.
     demo.add_argument("--rows", type=int, default=None, help=argparse.SUPPRESS)
     return parser
+
+
+def _verbosity() -> argparse.ArgumentParser:
+    shared = argparse.ArgumentParser(add_help=False, argument_default=argparse.SUPPRESS)
+    shared.add_argument("-v", "--verbose", action="count", help="log more (-vv for debug)")
+    return shared
 
 
 def _add_timeout(p: argparse.ArgumentParser) -> None:
@@ -144,20 +219,6 @@ def _add_timeout(p: argparse.ArgumentParser) -> None:
         default=None,
         metavar="SECONDS",
         help="give up if the other side has not used the code by then (default: wait)",
-    )
-
-
-def _add_transit_options(p: argparse.ArgumentParser) -> None:
-    p.add_argument(
-        "--relay",
-        metavar="tcp:HOST:PORT",
-        default=os.environ.get(RELAY_ENV, DEFAULT_RELAY_URL),
-        help=f"transit relay (env {RELAY_ENV}; default %(default)s)",
-    )
-    p.add_argument(
-        "--no-listen",
-        action="store_true",
-        help="offer no direct connection (reach the peer only through relays)",
     )
 
 
@@ -305,7 +366,7 @@ def _finish(w: Wormhole, work: Any) -> Any:
 
 def _connector(reactor: Any, args: argparse.Namespace, is_sender: bool) -> TransitConnector:
     return TransitConnector(
-        reactor, is_sender=is_sender, relay_url=args.relay or None, no_listen=args.no_listen
+        reactor, is_sender=is_sender, relay_url=resolve_relay(args.relay), no_listen=args.no_listen
     )
 
 
@@ -314,12 +375,27 @@ def _transfer_options(args: argparse.Namespace, **extra: Any) -> Any:
 
     return TransferOptions(
         mailbox=args.mailbox,
-        relay=args.relay or None,
+        relay=args.relay,  # "none" included: TransferOptions.relay_url resolves it
         no_listen=args.no_listen,
         peer_timeout=args.timeout if args.timeout else WAIT_FOREVER,
         lane_start_timeout=WAIT_FOREVER,
         **extra,
     )
+
+
+def _receive_hints(args: argparse.Namespace, code: str) -> tuple[str, str, str]:
+    """The receiver's commands for ``code``: ours, Spark's and the wormhole CLI's.
+
+    A mailbox other than the default is named in each, or the receiver would
+    look for the code on the public server.
+    """
+    mailbox = "" if args.mailbox == DEFAULT_MAILBOX_URL else args.mailbox
+    ours = f"spark-dilation receive {'--mailbox ' + mailbox + ' ' if mailbox else ''}{code}"
+    spark = f'spark.read.format("dilation").option("code", "{code}")'
+    if mailbox:
+        spark += f'.option("mailbox", "{mailbox}")'
+    ref = f"wormhole {'--relay-url ' + mailbox + ' ' if mailbox else ''}receive {code}"
+    return ours, spark + ".load()", ref
 
 
 def _code_banner(code: str, err: TextIO, how: str) -> None:
@@ -332,6 +408,9 @@ def _code_banner(code: str, err: TextIO, how: str) -> None:
 
 
 def send(args: argparse.Namespace, reporter: Reporter) -> None:
+    if args.text == "-":  # as `wormhole send --text -` does
+        print("Reading text message from stdin..", file=sys.stderr)
+        args.text = sys.stdin.read()
     if args.paths and not args.classic:
         send_dataset_command(args, reporter)
     else:
@@ -352,12 +431,8 @@ def send_dataset_command(args: argparse.Namespace, reporter: Reporter) -> None:
             raise TransferError(f"{e}; or send it as a plain file with --classic") from None
         raise
     code = sender.code
-    _code_banner(
-        code,
-        sys.stderr,
-        f"spark-dilation receive {code}\n"
-        f'   (or in Spark: spark.read.format("dilation").option("code", "{code}").load())',
-    )
+    ours, spark, _ = _receive_hints(args, code)
+    _code_banner(code, sys.stderr, f"{ours}\n   (or in Spark: {spark})")
     reporter.emit("code", code=code)
     reporter.say("waiting for the receiver..")
     report = sender.wait(reporter.progress)
@@ -387,7 +462,8 @@ def send_classic(
         else:
             w.allocate_code(args.code_length)
         code = yield w.get_code()
-        _code_banner(code, err, f"spark-dilation receive {code}\n   (or: wormhole receive {code})")
+        ours, _, ref = _receive_hints(args, code)
+        _code_banner(code, err, f"{ours}\n   (or: {ref})")
         reporter.emit("code", code=code)
         if path is not None:
             size = Path(path).stat().st_size if Path(path).is_file() else 0
@@ -449,7 +525,15 @@ def receive(args: argparse.Namespace, reporter: Reporter) -> None:
 
 
 def _dataset_dest(args: argparse.Namespace, code: str) -> Path:
-    return Path(args.output_file or f"dataset-{code.split('-', 1)[0]}")
+    """``-o``, else ``dataset-NAMEPLATE``, else ``-2``, ``-3``... (nameplates are reused)."""
+    if args.output_file:
+        return Path(args.output_file)
+    base = f"dataset-{code.split('-', 1)[0]}"
+    dest, n = Path(base), 1
+    while dest.exists():
+        n += 1
+        dest = Path(f"{base}-{n}")
+    return dest
 
 
 def _dest_refusal(dest: Path) -> str | None:

@@ -10,6 +10,12 @@ import pytest
 
 pytest_plugins = ["spark_dilation.testing.fixtures"]
 
+# With no relay given, a transfer also dials the public transit relay (the
+# default). Tests run offline: those that want a relay pass their own
+# (the relay_url fixture); the rest, and every process they start (CLI, Spark
+# workers), get none. tests/test_cli_habits.py unsets it to test the default.
+os.environ.setdefault("SPARK_DILATION_RELAY", "none")
+
 
 @pytest.fixture(scope="session")
 def spark() -> Iterator:

@@ -6,6 +6,8 @@ import dataclasses
 import re
 from pathlib import Path
 
+import pytest
+
 from spark_dilation.spark.datasource import WRITE_OPTIONS
 from spark_dilation.spark.options import KNOWN_OPTIONS
 from spark_dilation.transfer.options import TransferOptions
@@ -56,3 +58,123 @@ def test_the_spark_defaults_example_names_real_settings():
     assert "spark.sql.session.timeZone" in settings
     assert all(s.startswith("spark.") for s in settings)
     assert "PYSPARK_PYTHON" in text and "SPARK_DILATION_MAILBOX" in text
+
+
+# --- the command line -----------------------------------------------------------------------
+
+CLI_COLUMNS = ("flag", "commands", "default", "meaning")
+FLAG = re.compile(r"^`(--[\w-]+)`$")
+
+
+def documented_flags() -> dict[str, dict[str, str]]:
+    text = (CONF / "options.md").read_text().split("## Command line", 1)[1]
+    rows = {}
+    for line in text.splitlines():
+        cells = [c.strip() for c in line.strip().strip("|").split("|")]
+        if len(cells) != len(CLI_COLUMNS) or not FLAG.match(cells[0]):
+            continue
+        row = dict(zip(CLI_COLUMNS, cells, strict=True))
+        assert FLAG.match(cells[0])[1] not in rows, line
+        rows[FLAG.match(cells[0])[1]] = row
+    return rows
+
+
+def parser_flags() -> dict[str, dict[str, object]]:
+    """{--flag: {command: its default}} for every visible option of every command."""
+    import argparse
+
+    from spark_dilation import cli
+
+    parser = cli.build_parser()
+    (sub,) = [a for a in parser._actions if isinstance(a, argparse._SubParsersAction)]
+    flags: dict[str, dict[str, object]] = {}
+    for command, subparser in sub.choices.items():
+        parsed = vars(parser.parse_args([command]))
+        for action in subparser._actions:
+            longs = [o for o in action.option_strings if o.startswith("--")]
+            if not longs or action.help == argparse.SUPPRESS or longs[0] == "--help":
+                continue
+            flags.setdefault(longs[0], {})[command] = parsed[action.dest]
+    return flags
+
+
+def test_every_cli_flag_is_documented_with_the_parser_default(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    from spark_dilation.cli import DEFAULT_RELAY_URL, MAILBOX_ENV, RELAY_ENV
+    from spark_dilation.wormhole import DEFAULT_MAILBOX_URL
+
+    monkeypatch.delenv(MAILBOX_ENV, raising=False)
+    monkeypatch.delenv(RELAY_ENV, raising=False)
+    rows = documented_flags()
+    flags = parser_flags()
+    assert set(rows) == set(flags)
+    env_defaults = {
+        "--mailbox": (MAILBOX_ENV, DEFAULT_MAILBOX_URL),
+        "--relay": (RELAY_ENV, DEFAULT_RELAY_URL),
+    }
+    for flag, by_command in flags.items():
+        row = rows[flag]
+        commands = {c.strip() for c in row["commands"].split(",")}
+        if commands == {"all"}:
+            commands = set(by_command)
+        assert commands <= set(by_command), (flag, commands)
+        defaults = {by_command[c] for c in commands}
+        assert len(defaults) == 1, (flag, defaults)
+        default = defaults.pop()
+        if flag in env_defaults:
+            env, url = env_defaults[flag]
+            expected = f"`${env}`, else `{url}`"
+        elif default is False:
+            expected = "off"
+        elif default is None:
+            continue  # described (a computed folder name, "wait"), not a literal
+        else:
+            expected = f"`{default}`"
+        assert row["default"] == expected, flag
+
+
+def test_cli_dataset_transfers_use_the_documented_option_defaults() -> None:
+    from spark_dilation import cli
+
+    rows = documented()
+    for argv in (["send", "f"], ["receive"]):
+        opts = cli._transfer_options(cli.build_parser().parse_args(argv))
+        for field in dataclasses.fields(TransferOptions):
+            if field.name in ("peer_timeout", "lane_start_timeout", "mailbox", "relay"):
+                continue  # --timeout (default: wait), --mailbox and --relay
+            value = getattr(opts, field.name)
+            if field.default is None:
+                assert value is None, field.name
+                continue
+            expected = '`""`' if value == "" else f"`{value}`"
+            assert rows[field.name]["default"] == expected, field.name
+
+
+def test_transfer_connections_give_up_after_the_options_reconnect_timeout(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """Lanes and senders dilate with reconnect_timeout, not Dilation's own default (300 s)."""
+    import spark_dilation.dilation.api as dilation_api
+    from spark_dilation.transfer.rendezvous import Paired, dilate_paired
+    from spark_dilation.wormhole.blocking import ensure_reactor
+
+    ensure_reactor()
+    seen: dict[str, object] = {}
+
+    def fake_dilate(wormhole: object, **kwargs: object) -> object:
+        seen.update(kwargs)
+        raise RuntimeError("stop here")
+
+    monkeypatch.setattr(dilation_api, "dilate", fake_dilate)
+    timeout = TransferOptions().reconnect_timeout
+    with pytest.raises(RuntimeError, match="stop here"):
+        dilate_paired(
+            Paired(object(), 0),
+            relay_url=None,
+            no_listen=True,
+            listen=(),
+            peer_timeout=timeout,
+            timeout=10,
+        )
+    assert seen["reconnect_timeout"] == timeout == 120.0

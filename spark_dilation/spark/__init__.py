@@ -48,4 +48,9 @@ def __getattr__(name: str) -> Any:
     module = _EXPORTS.get(name)
     if module is None:
         raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
+    if module == ".datasource":
+        # One line naming what is missing, not an ImportError from inside pyspark.
+        from .register import check_pyspark
+
+        check_pyspark()
     return getattr(import_module(module, __name__), name)

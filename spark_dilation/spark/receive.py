@@ -14,7 +14,8 @@ import tempfile
 from pathlib import Path
 from typing import TYPE_CHECKING
 
-from .options import RELAY_ENV, default_mailbox_url, default_staging_root
+from ..transfer.options import resolve_relay
+from .options import default_mailbox_url, default_staging_root
 
 if TYPE_CHECKING:
     from ..transit.filetransfer import ReceivedFile
@@ -54,9 +55,10 @@ def receive_file(
     ``dest_dir`` defaults to a new directory under ``staging_dir`` (default
     ``<tempdir>/spark-dilation``); nothing is left there if the transfer fails.
     ``mailbox`` defaults to ``$SPARK_DILATION_MAILBOX`` or the public server,
-    ``relay`` (a transit relay, ``tcp:HOST:PORT``) to ``$SPARK_DILATION_RELAY``
-    or none. Raises :class:`~spark_dilation.errors.DilationError` subclasses
-    whose message says what went wrong.
+    ``relay`` (a transit relay, ``tcp:HOST:PORT``; ``none`` for none) to
+    ``$SPARK_DILATION_RELAY`` or the public relay. Raises
+    :class:`~spark_dilation.errors.DilationError` subclasses whose message
+    says what went wrong.
     """
     # Imported here so that importing spark_dilation.spark (which Spark does
     # in every session to discover data sources) does not load Twisted.
@@ -70,7 +72,7 @@ def receive_file(
             code,
             dest,
             mailbox_url=mailbox or default_mailbox_url(),
-            relay_url=relay or os.environ.get(RELAY_ENV) or None,
+            relay_url=resolve_relay(relay),
             timeout=timeout,
             no_listen=no_listen,
         )

@@ -30,10 +30,20 @@ def _version(text: str) -> tuple[int, ...]:
 
 
 def check_pyspark(version: str | None = None) -> None:
-    """Raise :class:`SparkVersionError` unless PySpark has the Python data source API."""
-    if version is None:
-        import pyspark
+    """Raise :class:`SparkVersionError` unless PySpark has the Python data source API.
 
+    PySpark is an extra (``spark-dilation[spark]``), not a base dependency, so
+    that a cluster keeps its own PySpark: every Spark feature checks it here.
+    """
+    if version is None:
+        try:
+            import pyspark
+        except ImportError:
+            raise SparkVersionError(
+                "spark-dilation's Spark features need PySpark 4.0 or later, which is not "
+                "installed here: pip install 'spark-dilation[spark]' (the CLI and "
+                "spark_dilation.receive(None, code) work without it)"
+            ) from None
         version = pyspark.__version__
     if _version(version) < MIN_PYSPARK:
         raise SparkVersionError(

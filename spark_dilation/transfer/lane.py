@@ -76,6 +76,11 @@ from .staging import (
 
 log = logging.getLogger(__name__)
 
+# stop() waits this long for the lobby to end its pending pairing (it notices
+# the stop within 0.25 s and then waits for the mailbox's close, at most
+# rendezvous.CLOSE_WAIT).
+LOBBY_STOP_WAIT = 10.0
+
 
 class LaneReceiver:
     """The background receiver of one lane in this process (see the module docstring)."""
@@ -90,6 +95,9 @@ class LaneReceiver:
         self._cond = threading.Condition()
         self._stop = threading.Event()
         self._stop_lock = threading.Lock()
+        self._lobby_thread = threading.Thread(
+            target=self._lobby, name=f"lane-{lane}-lobby", daemon=True
+        )
         self._connections: list[Any] = []
         self.error: BaseException | None = None
         self.finished = False
@@ -108,7 +116,7 @@ class LaneReceiver:
     # --- lifecycle ---------------------------------------------------------------
 
     def start(self) -> None:
-        threading.Thread(target=self._lobby, name=f"lane-{self.lane}-lobby", daemon=True).start()
+        self._lobby_thread.start()
 
     def stop(self, linger: float = 2.0) -> None:
         """Close the lobby and every connection (idempotent; waits for a stop under way)."""
@@ -125,6 +133,11 @@ class LaneReceiver:
                     self.reconnects += reconnects_of(status)
                 with contextlib.suppress(Exception):
                     conn.close(timeout=10, linger=linger)
+            lobby = self._lobby_thread
+            if lobby.is_alive() and lobby is not threading.current_thread():
+                # Its pending pairing closes its wormhole on the mailbox: wait, so
+                # that a process exiting right after does not cut that close short.
+                lobby.join(LOBBY_STOP_WAIT)
             if self._lock_fd >= 0:
                 with contextlib.suppress(OSError):
                     os.close(self._lock_fd)
@@ -216,12 +229,14 @@ class LaneReceiver:
                 self._finish(e)
                 return
             with self._cond:
-                if self._stop.is_set():
-                    threading.Thread(target=conn.close, daemon=True).start()
-                    return
-                self._connections.append(conn)
-                self.connections_made += 1
-                self.last_activity = time.monotonic()
+                stopped = self._stop.is_set()
+                if not stopped:
+                    self._connections.append(conn)
+                    self.connections_made += 1
+                    self.last_activity = time.monotonic()
+            if stopped:
+                conn.close(timeout=10, linger=0)  # stop() waits for this thread
+                return
             for name, handler in (
                 (PARTITION_SUBPROTOCOL, self._partition),
                 (CONTROL_SUBPROTOCOL, self._control),

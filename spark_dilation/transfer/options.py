@@ -24,6 +24,19 @@ EARLY_LANES = ("auto", "true", "false")
 
 MAILBOX_ENV = "SPARK_DILATION_MAILBOX"
 RELAY_ENV = "SPARK_DILATION_RELAY"
+# The public transit relay, the default of the `wormhole` CLI too: two peers
+# behind NAT have no direct route and meet only there.
+DEFAULT_RELAY_URL = "tcp:transit.magic-wormhole.io:4001"
+NO_RELAY = "none"
+
+
+def resolve_relay(relay: str | None) -> str | None:
+    """The relay to use: ``relay``, else ``$SPARK_DILATION_RELAY``, else the public one.
+
+    ``none`` (in either) turns relaying off: direct connections only.
+    """
+    chosen = (relay or "").strip() or os.environ.get(RELAY_ENV, "").strip() or DEFAULT_RELAY_URL
+    return None if chosen.lower() == NO_RELAY else chosen
 
 
 class TransferOptionError(DilationError, ValueError):
@@ -103,7 +116,7 @@ class TransferOptions:
 
     @property
     def relay_url(self) -> str | None:
-        return self.relay or os.environ.get(RELAY_ENV) or None
+        return resolve_relay(self.relay)
 
     @property
     def staging_root(self) -> Path:

@@ -68,6 +68,9 @@ log = logging.getLogger(__name__)
 
 DEFAULT_PAIR_TIMEOUT = 3.0  # T_pair: a live peer confirms the key within milliseconds
 LANE_CROWDED_RETRIES = 3
+# How long a cancelled pairing waits for the mailbox to confirm its close (the
+# wormhole's own close timeout is longer; a stop must not hang on a dead server).
+CLOSE_WAIT = 5.0
 
 
 # --- the pure rule ------------------------------------------------------------------
@@ -159,12 +162,14 @@ def _probe_slot(
     pair_timeout: float,
     wait_alone: bool,
     versions: dict[str, Any],
+    closing: list[defer.Deferred] | None = None,
 ) -> defer.Deferred:
     """Claim one slot; fires with a :class:`_Probe` whose outcome is one of the constants.
 
     The wormhole stays open when paired; otherwise it is already closed
     (released) or abandoned (burnt), as the policy wants. Cancelling the
-    Deferred closes the wormhole cleanly.
+    Deferred closes the wormhole cleanly; the close's Deferred is appended
+    to ``closing`` so the caller can wait for it.
     """
     from ..wormhole.client import Wormhole
 
@@ -200,7 +205,9 @@ def _probe_slot(
 
     def cancelled(_: defer.Deferred) -> None:
         cancel_timers()
-        w.close().addErrback(lambda _: None)
+        closed = w.close().addErrback(lambda _: None)
+        if closing is not None:
+            closing.append(closed)
 
     result = defer.Deferred(canceller=cancelled)
 
@@ -316,6 +323,7 @@ def pair(
             _sleep(step.delay, deadline, cancel)
         _check(deadline, cancel, what)
         slot = step.slot
+        closing: list[defer.Deferred] = []
         waiter = crochet.run_in_reactor(_probe_slot)(
             reactor,
             mailbox_url,
@@ -327,6 +335,7 @@ def pair(
             pair_timeout,
             role == ROLE_LANE,
             versions,
+            closing,
         )
         while True:
             try:
@@ -337,6 +346,12 @@ def pair(
                     waiter.cancel()
                     with contextlib.suppress(Exception):
                         waiter.wait(1)  # consume the CancelledError (crochet logs it otherwise)
+                    # Wait for the mailbox to confirm the close: a process that
+                    # exits right after (a CLI after its transfer) would drop the
+                    # connection mid-close and log a lost connection.
+                    if closing:
+                        with contextlib.suppress(Exception):
+                            crochet.run_in_reactor(lambda d: d)(closing[0]).wait(CLOSE_WAIT)
                     _check(deadline, cancel, what)
         step = policy.after(slot, probe.outcome)
         if probe.outcome == PAIRED:
@@ -378,7 +393,12 @@ def dilate_paired(
     timeout: float,
     receive_buffer: int | None = None,
 ) -> Any:
-    """Dilate a paired wormhole and wrap it in the blocking facade."""
+    """Dilate a paired wormhole and wrap it in the blocking facade.
+
+    ``peer_timeout`` (the transfer's ``reconnect_timeout``) is both the
+    Dilation connection's give-up and the blocking waits' peer deadline, so
+    the give-up error names the option's value.
+    """
     from ..dilation.api import dilate
     from ..dilation.blocking import BlockingDilation
 
@@ -386,7 +406,13 @@ def dilate_paired(
     w = paired.wormhole
 
     def start() -> Any:
-        return dilate(w, relay_url=relay_url, no_listen=no_listen, expected_subprotocols=names)
+        return dilate(
+            w,
+            relay_url=relay_url,
+            no_listen=no_listen,
+            expected_subprotocols=names,
+            reconnect_timeout=peer_timeout,
+        )
 
     dw = crochet.run_in_reactor(start)().wait(timeout)
     extra = {} if receive_buffer is None else {"receive_buffer": receive_buffer}
