@@ -340,9 +340,14 @@ def dilate_paired(
     listen: Iterable[str],
     peer_timeout: float,
     timeout: float,
+    no_path_timeout: float,
     receive_buffer: int | None = None,
 ) -> Any:
-    """Dilate a paired wormhole and wrap it in the blocking facade."""
+    """Dilate a paired wormhole and wrap it in the blocking facade.
+
+    ``peer_timeout`` is also the Dilation ``reconnect_timeout`` (so its
+    give-up error, which says what was tried, is the one raised).
+    """
     from ..dilation.api import dilate
     from ..dilation.blocking import BlockingDilation
 
@@ -350,7 +355,14 @@ def dilate_paired(
     w = paired.wormhole
 
     def start() -> Any:
-        return dilate(w, relay_url=relay_url, no_listen=no_listen, expected_subprotocols=names)
+        return dilate(
+            w,
+            relay_url=relay_url,
+            no_listen=no_listen,
+            expected_subprotocols=names,
+            reconnect_timeout=peer_timeout,
+            no_path_timeout=no_path_timeout,
+        )
 
     dw = crochet.run_in_reactor(start)().wait(timeout)
     extra = {} if receive_buffer is None else {"receive_buffer": receive_buffer}

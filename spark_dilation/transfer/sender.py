@@ -53,7 +53,7 @@ from .protocol import (
     lane_of,
 )
 from .rendezvous import RendezvousTimeout, dilate_paired, pair
-from .report import ConnectionStats, is_reconnecting, path_of, reconnects_of
+from .report import ConnectionStats, is_connecting, is_reconnecting, path_of, reconnects_of
 from .spec import TransferSpec
 
 log = logging.getLogger(__name__)
@@ -117,7 +117,9 @@ class ConnectionPool:
                 what=f"lane {lane}",
             )
         except RendezvousTimeout:
-            raise LaneNotStartedError(lane, spec.lanes, opts.lane_start_timeout, what) from None
+            raise LaneNotStartedError(
+                lane, spec.lanes, opts.lane_start_timeout, what, opts
+            ) from None
         conn = dilate_paired(
             paired,
             relay_url=opts.relay_url,
@@ -125,6 +127,7 @@ class ConnectionPool:
             listen=(),
             peer_timeout=opts.reconnect_timeout,
             timeout=opts.reconnect_timeout,
+            no_path_timeout=opts.no_path_timeout,
         )
         log.info(
             "connected to lane %d of transfer %s (slot %d)", lane, spec.transfer_id, paired.slot
@@ -146,7 +149,7 @@ class ConnectionPool:
             conns = [c for (t, _), c in self._conns.items() if t == transfer_id]
             opened = self.opened.get(transfer_id, 0)
         paths: list[str] = []
-        reconnects = reconnecting = fallbacks = 0
+        reconnects = reconnecting = connecting = fallbacks = 0
         for c in conns:
             try:
                 status = c.status()
@@ -155,9 +158,10 @@ class ConnectionPool:
             paths.append(path_of(status.connection))
             reconnects += reconnects_of(status)
             reconnecting += is_reconnecting(status)
+            connecting += is_connecting(status)
             fallbacks += status.relay_fallbacks
         return ConnectionStats(
-            process_name(), opened, reconnects, tuple(paths), reconnecting, fallbacks
+            process_name(), opened, reconnects, tuple(paths), reconnecting, fallbacks, connecting
         )
 
     def close_transfer(self, transfer_id: str) -> None:
