@@ -324,3 +324,48 @@ def test_cleanup_removes_stale_transfers_and_keeps_live_ones(tmp_path: Path) -> 
     again = run(ours("ws://127.0.0.1:1/v1", "cleanup", "--staging-root", str(root)))
     assert again.returncode == 0 and f"removed {root / '1a1a'} (100 B)" in again.stdout
     assert sorted(p.name for p in root.iterdir()) == ["receive-abc"]
+
+
+def test_no_path_python_api_many_partitions_end_by_no_path_timeout(
+    mailbox_url: str, tmp_path: Path
+) -> None:
+    """Python API, relay-only, the relay refused, 8 partitions on 2 lanes and
+    ``no_path_timeout=2``: the sender and the receiver each end once, within the
+    bound, with the no-path error (later partitions do not try again)."""
+    from spark_dilation.dilation import DilationNoPath
+    from spark_dilation.transfer.api import DatasetSender, receive_dataset
+
+    relay = f"tcp:127.0.0.1:{closed_port()}"
+    opts = TransferOptions(
+        mailbox=mailbox_url, relay=relay, no_listen=True, no_path_timeout=2, peer_timeout=30
+    )
+    for i in range(8):  # one partition per file
+        pq.write_table(
+            pa.table({"id": list(range(i * 10, i * 10 + 10))}), tmp_path / f"{i}.parquet"
+        )
+    sender = DatasetSender(tmp_path, options=opts)
+    outcome: dict[str, object] = {}
+
+    def send() -> None:
+        started = time.monotonic()
+        try:
+            sender.wait()
+        except Exception as e:
+            outcome["error"] = e
+        outcome["took"] = time.monotonic() - started
+
+    thread = threading.Thread(target=send, daemon=True)
+    thread.start()
+    started = time.monotonic()
+    with pytest.raises(DilationNoPath) as raised:
+        receive_dataset(sender.code, options=opts)
+    took = time.monotonic() - started
+    thread.join(60)
+    assert not thread.is_alive(), "the sender still runs"
+    print(f"no path, Python API: receiver {took:.1f} s, sender {outcome['took']:.1f} s")
+    for error, seconds in ((raised.value, took), (outcome["error"], outcome["took"])):
+        assert isinstance(error, DilationNoPath), error
+        assert str(error).startswith(f"could not reach the other side: relay {relay} refused")
+        # One first round + no_path_timeout, with slack; the queued partitions do not
+        # pair and dilate again (2.5 s more each round per lane).
+        assert seconds < 2 + 8, seconds

@@ -28,6 +28,7 @@ from typing import Any
 import pyarrow as pa
 
 from ..dilation.blocking import BlockingDilationError, DilationTimeout
+from ..dilation.manager import DilationNoPath
 from ..errors import DilationError
 from .partition import (
     InjectedFailure,
@@ -96,6 +97,10 @@ class ConnectionPool:
                 conn = self._conns.get(key)
             if conn is not None and conn._error is None and not conn._closed:
                 return conn
+            if conn is not None and isinstance(conn._error, DilationNoPath):
+                # No path to this lane over these hints: a new connection finds
+                # none either, so every later partition fails at once with it.
+                raise conn._error
             if conn is not None:
                 self.evict(spec.transfer_id, lane, conn)
             conn = self._connect(spec, lane, deadline, what)
