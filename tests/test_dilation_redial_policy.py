@@ -269,7 +269,7 @@ def test_never_up_gives_up_no_path_timeout_after_the_first_failed_round() -> Non
             p.attempts_failed(now)  # the retry fails too
     assert [type(a) for a in actions[:-1]] == [Retry] * (len(actions) - 1)
     assert len(actions) > 2  # it retried within the window
-    assert actions[-1] == GiveUp(100.0, p.retries, never_up=True)
+    assert actions[-1] == GiveUp(100.0, p.retries, no_path=True)
     assert now == 111.0 and p.state == "GAVE_UP"
 
 
@@ -280,7 +280,7 @@ def test_never_up_attempts_that_hang_count_as_a_failed_round() -> None:
     assert p.timer_fired(30.0) == [Retry(1)]  # the round hung: retry, and the window starts
     p.waiting_for_peer(30.0)  # the peer's turn: the no-path deadline still runs
     assert p.next_deadline() == 40.0
-    assert p.timer_fired(40.0) == [GiveUp(0.0, 1, never_up=True)]
+    assert p.timer_fired(40.0) == [GiveUp(0.0, 1, no_path=True)]
 
 
 def test_no_path_rule_does_not_apply_once_connected() -> None:
@@ -302,7 +302,7 @@ def test_no_path_rule_does_not_apply_once_connected() -> None:
         expected = [Retry(p.retries + 1)]
         assert p.timer_fired(due) == expected
         p.attempts_failed(due)
-    assert p.timer_fired(350.0) == [GiveUp(50.0, p.retries, never_up=False)]
+    assert p.timer_fired(350.0) == [GiveUp(50.0, p.retries, no_path=False)]
 
 
 def test_no_path_message_names_the_relay_and_each_hint() -> None:
@@ -318,7 +318,7 @@ def test_no_path_message_names_the_relay_and_each_hint() -> None:
         relays=["tcp:relay.example:4001"],
         mailbox_connected=True,
         first_connection=True,
-        never_up=True,
+        no_path=True,
         no_path_timeout=10,
     )
     assert text == (
@@ -329,3 +329,13 @@ def test_no_path_message_names_the_relay_and_each_hint() -> None:
         "machines can reach each other directly."
     )
     assert "reconnect" not in text
+
+
+def test_never_up_without_a_failed_round_is_the_plain_give_up() -> None:
+    """Hints that never came (nothing failed): give_up_after's error, not "no path"."""
+    p = policy(never_up=True, give_up_after=20, no_path_timeout=10)
+    p.disconnected(0.0)
+    p.attempting(0.0)
+    p.waiting_for_peer(1.0)  # nothing of ours to try; the peer never sends hints
+    assert p.next_deadline() == 20.0
+    assert p.timer_fired(20.0) == [GiveUp(0.0, 0, no_path=False)]

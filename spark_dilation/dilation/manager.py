@@ -294,8 +294,8 @@ class DilationManager:
             match action:
                 case R.Retry(attempt):
                     self._retry(attempt)
-                case R.GiveUp(never_up=never_up):
-                    self._give_up(never_up)
+                case R.GiveUp(no_path=no_path):
+                    self._give_up(no_path)
                     return
         self._arm_redial_timer()
 
@@ -317,9 +317,9 @@ class DilationManager:
     def _redial_fired(self, now: float) -> None:
         self._redial_event(self._redial.timer_fired)
 
-    def _give_up(self, never_up: bool = False) -> None:
+    def _give_up(self, no_path: bool = False) -> None:
         relays = [f"tcp:{h.hostname}:{h.port}" for h in self._relays]
-        kind = DilationNoPath if never_up else DilationReconnectFailed
+        kind = DilationNoPath if no_path else DilationReconnectFailed
         error = kind(
             R.give_up_message(
                 give_up_after=self._redial.give_up_after,
@@ -330,7 +330,7 @@ class DilationManager:
                 relays=relays,
                 mailbox_connected=bool(getattr(self._w, "mailbox_connected", True)),
                 first_connection=not self._dilated.called,
-                never_up=never_up,
+                no_path=no_path,
                 no_path_timeout=self._redial.no_path_timeout,
             )
         )

@@ -21,7 +21,7 @@ it returns:
   seconds have passed since the first round of our attempts ended without
   one (every hint refused or timed out, or none answered within
   ``attempt_timeout``). Retries go on within that window (a peer's late
-  hint, a relay coming up), then :class:`GiveUp` with ``never_up``: a
+  hint, a relay coming up), then :class:`GiveUp` with ``no_path``: a
   transfer with no path fails in seconds, not after ``give_up_after``.
   Bound: the first round ends within the dial timeout (10 s) or
   ``attempt_timeout``, so a side with no path ends within
@@ -71,7 +71,7 @@ class GiveUp:
 
     down_since: float
     retries: int
-    never_up: bool = False  # no path at all (no_path_timeout), not a lost connection
+    no_path: bool = False  # never up, every hint failed (no_path_timeout), not a lost connection
 
 
 RedialAction = Retry | GiveUp
@@ -158,11 +158,12 @@ class RedialPolicy:
         if self.state in ("UP", "GAVE_UP"):
             return []
         assert self.down_since is not None
-        no_path = self._no_path_deadline()
-        if now >= self.down_since + self.give_up_after or (no_path is not None and now >= no_path):
+        no_path_at = self._no_path_deadline()
+        no_path = no_path_at is not None and now >= no_path_at
+        if no_path or now >= self.down_since + self.give_up_after:
             self.state = "GAVE_UP"
             self._retry_at = self._attempt_deadline = None
-            return [GiveUp(self.down_since, self.retries, never_up=not self.ever_up)]
+            return [GiveUp(self.down_since, self.retries, no_path=no_path)]
         due = self._retry_at if self.state == "BACKOFF" else self._attempt_deadline
         if self.state == "WAITING" or due is None or now < due:
             return []
@@ -222,11 +223,11 @@ def give_up_message(
     relays: list[str],
     mailbox_connected: bool,
     first_connection: bool,
-    never_up: bool = False,
+    no_path: bool = False,
     no_path_timeout: float = DEFAULT_NO_PATH_TIMEOUT,
 ) -> str:
     """The give-up error's text: what was tried, since when, and what to check."""
-    if never_up:
+    if no_path:
         return no_path_message(
             down_for=down_for,
             no_path_timeout=no_path_timeout,
