@@ -369,3 +369,28 @@ def test_no_path_python_api_many_partitions_end_by_no_path_timeout(
         # One first round + no_path_timeout, with slack; the queued partitions do not
         # pair and dilate again (2.5 s more each round per lane).
         assert seconds < 2 + 8, seconds
+
+
+def test_without_proc_a_long_socket_path_is_one_clear_warning(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch, caplog: pytest.LogCaptureFixture
+) -> None:
+    import logging
+    import tempfile
+
+    from spark_dilation.transfer import hostlink
+    from spark_dilation.transfer.spec import TransferSpec
+
+    long_tmp = tmp_path / ("l" * 150)
+    monkeypatch.setattr(tempfile, "tempdir", str(long_tmp))
+    monkeypatch.setattr(hostlink, "_PROC_FD", tmp_path / "no-proc")
+    spec = TransferSpec("ab" * 16, b"s" * 32, 1, b"", "none", TransferOptions())
+    with caplog.at_level(logging.WARNING, logger=hostlink.__name__):
+        assert not hostlink.socket_path_fits(spec)
+        assert not hostlink.start_sender_host(spec)  # the tasks send on their own
+    (record,) = caplog.records  # once, however often it is asked
+    assert record.getMessage().startswith(
+        f"not using a sender host for transfer {'ab' * 16}: its socket path "
+        f"{hostlink.socket_path(spec)} is "
+    )
+    assert "over this system's Unix socket limit" in record.getMessage()
+    assert "Set TMPDIR to a shorter directory" in record.getMessage()
