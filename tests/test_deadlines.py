@@ -394,3 +394,27 @@ def test_without_proc_a_long_socket_path_is_one_clear_warning(
     )
     assert "over this system's Unix socket limit" in record.getMessage()
     assert "Set TMPDIR to a shorter directory" in record.getMessage()
+
+
+def test_a_connection_never_up_is_connecting_not_reconnecting() -> None:
+    import io
+
+    from spark_dilation.cli_progress import Reporter
+    from spark_dilation.dilation import DilationStatus
+    from spark_dilation.transfer.report import Progress, is_connecting, is_reconnecting
+
+    first = DilationStatus(down_since=1.0)  # trying its first connection
+    again = DilationStatus(down_since=1.0, connections=1)  # was up, lost it
+    assert (is_connecting(first), is_reconnecting(first)) == (True, False)
+    assert (is_connecting(again), is_reconnecting(again)) == (False, True)
+
+    err = io.StringIO()
+    reporter = Reporter("plain", out=io.StringIO(), err=err)
+    base = {"side": "send", "rows": 0, "bytes": 0, "seconds": 1.0, "path": "unknown"}
+    reporter.progress(Progress(connecting=True, **base))
+    assert err.getvalue() == ""  # no "connection lost: reconnecting.."
+    reporter.progress(Progress(reconnecting=True, connections=1, **base))
+    assert err.getvalue() == "connection lost: reconnecting..\n"
+    out = io.StringIO()
+    Reporter("json", out=out).progress(Progress(connecting=True, **base))
+    assert '"connecting": true' in out.getvalue() and '"reconnecting": false' in out.getvalue()
