@@ -152,7 +152,8 @@ class LaneReceiver:
                     self.error = LaneIdleError(
                         f"lane {self.lane} heard nothing from the sender for {idle:g} s (no "
                         "new connection, no data, no final manifest). Check that the writer "
-                        "is still running, or raise option idle_timeout"
+                        "is still running, or raise "
+                        f"{self.spec.options.spelled('idle_timeout')}"
                     )
             return self.error
 

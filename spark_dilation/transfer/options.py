@@ -82,7 +82,7 @@ class TransferOptions:
     test_fail: str = ""
     # Not an option: the API the options came from ("python", "spark", "cli"),
     # so that an error names the option the way that API spells it (spelled()).
-    surface: str = field(default="python", repr=False, metadata={"internal": True})
+    surface: str = field(default="python", repr=False, compare=False, metadata={"internal": True})
 
     def __post_init__(self) -> None:
         if self.lanes < 1 or self.lanes > 4096:
