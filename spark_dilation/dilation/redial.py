@@ -296,11 +296,11 @@ def no_path_message(
         text += "; the mailbox server is unreachable too"
     check = (
         f"check that the transit relay {', '.join(relays)} is running and reachable from both "
-        "machines"
+        "machines, or that the machines can reach each other directly"
         if relays
-        else "configure a transit relay reachable from both machines"
+        else "check that the machines can reach each other directly, or configure a transit "
+        "relay both can reach"
     )
-    check += ", or that the machines can reach each other directly"
     return f"{text}. {check[0].upper()}{check[1:]}."
 
 
