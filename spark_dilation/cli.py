@@ -24,7 +24,7 @@ from typing import Any, TextIO
 import crochet
 from twisted.internet import defer, threads
 
-from . import __version__
+from . import __version__, cleanup
 from .cli_progress import Reporter, pick_mode
 from .errors import DilationError, TransferError
 from .transfer.options import DEFAULT_RELAY_URL, TransferOptionError, resolve_relay
@@ -203,6 +203,7 @@ def build_parser() -> argparse.ArgumentParser:
     demo.add_argument("--no-spark", action="store_true", help="skip the Spark part")
     # Hidden: the test suite runs the demo with fewer rows.
     demo.add_argument("--rows", type=int, default=None, help=argparse.SUPPRESS)
+    cleanup.add_parser(sub)
     return parser
 
 
@@ -247,6 +248,8 @@ def main(argv: Sequence[str] | None = None) -> int:
             motd=args.motd,
             allow_list=not args.disallow_list,
         )
+    if args.command == "cleanup":
+        return cleanup.run(args)
     if args.command == "demo":
         from .demo import run
 
@@ -335,7 +338,14 @@ def _open(
     err: TextIO,
     app_versions: dict[str, Any] | None = None,
 ) -> Any:
-    w = Wormhole(args.appid, args.mailbox, reactor, timeout=args.timeout, app_versions=app_versions)
+    w = Wormhole(
+        args.appid,
+        args.mailbox,
+        reactor,
+        timeout=args.timeout,
+        timeout_option="--timeout",
+        app_versions=app_versions,
+    )
     try:
         _show_welcome((yield w.get_welcome()), args.mailbox, err)
     except DilationError:
@@ -379,6 +389,7 @@ def _transfer_options(args: argparse.Namespace, **extra: Any) -> Any:
         no_listen=args.no_listen,
         peer_timeout=args.timeout if args.timeout else WAIT_FOREVER,
         lane_start_timeout=WAIT_FOREVER,
+        surface="cli",
         **extra,
     )
 
@@ -548,10 +559,10 @@ def receive_session_or_classic(
 ) -> Any:
     """Open the code: agree on a dataset (returns (spec, dest)), or take a text or file (None)."""
     from .transfer.api import format_refusal
-    from .transfer.protocol import PROTOCOL, SESSION_APP_VERSIONS
+    from .transfer.protocol import PROTOCOL, SESSION_RECEIVER, session_versions
     from .transfer.session import accept_offer
 
-    w = yield _open(reactor, args, err, app_versions=SESSION_APP_VERSIONS)
+    w = yield _open(reactor, args, err, app_versions=session_versions(SESSION_RECEIVER))
 
     def accept(offer: filetransfer.Offer) -> bool:
         what = f"{offer.kind} {offer.name!r} ({offer.size} bytes"

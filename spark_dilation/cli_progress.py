@@ -138,7 +138,10 @@ class Reporter:
                 postfix = [_size(p.bytes), f"{_size(p.bytes_per_s)}/s"]
             else:
                 postfix = [f"{p.rows:,} rows"] if p.rows else []
-            postfix.append("reconnecting" if self._down else p.path)
+            if self._down:
+                postfix.append("reconnecting")
+            else:
+                postfix.append("connecting" if p.connecting and p.path == "unknown" else p.path)
             postfix.append(f"{p.reconnects} reconnect(s)")
             bar.set_postfix_str(", ".join(postfix), refresh=False)
             bar.refresh()

@@ -90,13 +90,14 @@ class LonelyError(WormholeError):
 class PeerTimeoutError(LonelyError):
     """Nobody used the code within the allowed time."""
 
-    def __init__(self, code: str | None, timeout: float) -> None:
+    def __init__(self, code: str | None, timeout: float, option: str = "the timeout") -> None:
         self.code = code
         self.timeout = timeout
+        self.option = option  # how the caller's API spells the timeout: "--timeout", ...
         shown = f"the code {code}" if code else "the code"
         super().__init__(
             f"nobody used {shown} within {timeout:g} seconds. Check that the other side "
-            "typed it and uses the same mailbox server, or raise --timeout."
+            f"typed it and uses the same mailbox server, or raise {option}."
         )
 
 

@@ -365,7 +365,7 @@ def _refuse_own_code(code: str, mailbox: str | None) -> None:
 
     from .errors import DilationError
     from .transfer.options import TransferOptions
-    from .transfer.protocol import SESSION_APP_VERSIONS
+    from .transfer.protocol import SESSION_RECEIVER, session_versions
     from .transfer.session import SESSION_APPID, accept_offer
     from .wormhole.blocking import ensure_reactor
     from .wormhole.client import Wormhole
@@ -380,7 +380,7 @@ def _refuse_own_code(code: str, mailbox: str | None) -> None:
             SESSION_APPID,
             options.mailbox_url,
             reactor,
-            app_versions=SESSION_APP_VERSIONS,
+            app_versions=session_versions(SESSION_RECEIVER),
             timeout=REFUSE_TIMEOUT,
         )
         try:

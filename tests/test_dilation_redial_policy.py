@@ -15,9 +15,13 @@ from spark_dilation.dilation.redial import GiveUp, RedialPolicy, Retry, give_up_
 from spark_dilation.dilation.selection import Select, Selection
 
 
-def policy(**kw) -> RedialPolicy:
+def policy(never_up: bool = False, **kw) -> RedialPolicy:
+    """A policy whose connection was up once (a lost connection), unless ``never_up``."""
     kw.setdefault("random", lambda: 0.0)  # no jitter unless a test asks
-    return RedialPolicy(**kw)
+    p = RedialPolicy(**kw)
+    if not never_up:
+        p.connected(0.0)
+    return p
 
 
 def test_up_policy_has_no_deadline_and_ignores_timers() -> None:
@@ -243,3 +247,95 @@ def test_give_up_message_when_the_peer_never_came_back() -> None:
     assert "never started a new connection through the mailbox" in text
     assert "none configured: pass relay_url" in text
     assert "mailbox server is unreachable" not in text
+
+
+# --- no path at all: a connection never up gives up in seconds ---------------------------
+
+
+def test_never_up_gives_up_no_path_timeout_after_the_first_failed_round() -> None:
+    p = policy(never_up=True, give_up_after=300, no_path_timeout=10, first_delay=0.5)
+    p.disconnected(100.0)
+    p.attempting(100.0)
+    assert p.next_deadline() == 130.0  # attempt_timeout; no no-path deadline before a failure
+    p.attempts_failed(101.0)  # every hint refused
+    actions: list = []
+    now = 101.0
+    while not actions or isinstance(actions[-1], Retry):
+        due = p.next_deadline()
+        assert due is not None and due <= 111.0
+        now = due
+        actions += p.timer_fired(now)
+        if isinstance(actions[-1], Retry):
+            p.attempts_failed(now)  # the retry fails too
+    assert [type(a) for a in actions[:-1]] == [Retry] * (len(actions) - 1)
+    assert len(actions) > 2  # it retried within the window
+    assert actions[-1] == GiveUp(100.0, p.retries, no_path=True)
+    assert now == 111.0 and p.state == "GAVE_UP"
+
+
+def test_never_up_attempts_that_hang_count_as_a_failed_round() -> None:
+    p = policy(never_up=True, attempt_timeout=30, no_path_timeout=10)
+    p.disconnected(0.0)
+    p.attempting(0.0)
+    assert p.timer_fired(30.0) == [Retry(1)]  # the round hung: retry, and the window starts
+    p.waiting_for_peer(30.0)  # the peer's turn: the no-path deadline still runs
+    assert p.next_deadline() == 40.0
+    assert p.timer_fired(40.0) == [GiveUp(0.0, 1, no_path=True)]
+
+
+def test_no_path_rule_does_not_apply_once_connected() -> None:
+    p = policy(never_up=True, give_up_after=300, no_path_timeout=10)
+    p.disconnected(0.0)
+    p.attempting(0.0)
+    p.attempts_failed(1.0)
+    p.attempting(2.0)
+    p.connected(3.0)  # a late hint worked
+    p.disconnected(50.0)
+    p.attempting(50.0)
+    p.attempts_failed(50.0)
+    assert p.next_deadline() == 50.5  # only the backoff and give_up_after (350) now
+    for _ in range(40):
+        due = p.next_deadline()
+        assert due is not None
+        if due >= 350.0:
+            break
+        expected = [Retry(p.retries + 1)]
+        assert p.timer_fired(due) == expected
+        p.attempts_failed(due)
+    assert p.timer_fired(350.0) == [GiveUp(50.0, p.retries, no_path=False)]
+
+
+def test_no_path_message_names_the_relay_and_each_hint() -> None:
+    text = give_up_message(
+        give_up_after=300,
+        down_for=14.6,
+        retries=5,
+        generations=5,
+        tried={
+            "direct tcp:10.0.0.2:4312": (2, "timed out"),
+            "relay tcp:relay.example:4001": (6, "refused"),
+        },
+        relays=["tcp:relay.example:4001"],
+        mailbox_connected=True,
+        first_connection=True,
+        no_path=True,
+        no_path_timeout=10,
+    )
+    assert text == (
+        "could not reach the other side: relay tcp:relay.example:4001 refused (x6), "
+        "direct tcp:10.0.0.2:4312 timed out (x2); no connection within 15 s (gave up 10 s "
+        "after every attempt had failed). Check that the transit relay "
+        "tcp:relay.example:4001 is running and reachable from both machines, or that the "
+        "machines can reach each other directly."
+    )
+    assert "reconnect" not in text
+
+
+def test_never_up_without_a_failed_round_is_the_plain_give_up() -> None:
+    """Hints that never came (nothing failed): give_up_after's error, not "no path"."""
+    p = policy(never_up=True, give_up_after=20, no_path_timeout=10)
+    p.disconnected(0.0)
+    p.attempting(0.0)
+    p.waiting_for_peer(1.0)  # nothing of ours to try; the peer never sends hints
+    assert p.next_deadline() == 20.0
+    assert p.timer_fired(20.0) == [GiveUp(0.0, 0, no_path=False)]

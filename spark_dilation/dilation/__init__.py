@@ -9,11 +9,12 @@ Twisted glue: ``connector`` (one generation's attempts), ``manager``,
 """
 
 from .api import DilatedWormhole, dilate
-from .manager import DilationFailed, DilationReconnectFailed, DilationStatus
+from .manager import DilationFailed, DilationNoPath, DilationReconnectFailed, DilationStatus
 
 __all__ = [
     "DilatedWormhole",
     "DilationFailed",
+    "DilationNoPath",
     "DilationReconnectFailed",
     "DilationStatus",
     "dilate",

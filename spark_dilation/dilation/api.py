@@ -18,7 +18,7 @@ from typing import Any
 from twisted.internet import defer
 
 from .manager import DilationManager, DilationReconnectFailed, DilationStatus
-from .redial import DEFAULT_GIVE_UP_AFTER
+from .redial import DEFAULT_GIVE_UP_AFTER, DEFAULT_NO_PATH_TIMEOUT
 from .subchannel import SubchannelConnectorEndpoint, SubchannelListenerEndpoint
 
 
@@ -62,6 +62,7 @@ def dilate(
     expected_subprotocols: list[str] | tuple[str, ...] = (),
     on_status: Callable[[DilationStatus], None] | None = None,
     reconnect_timeout: float = DEFAULT_GIVE_UP_AFTER,
+    no_path_timeout: float = DEFAULT_NO_PATH_TIMEOUT,
 ) -> DilatedWormhole:
     """Start Dilation on a wormhole created with ``dilation=True`` (once per wormhole).
 
@@ -69,10 +70,14 @@ def dilate(
     capped backoff (a Leader starts new generations, a Follower redials).
     ``reconnect_timeout``: seconds without a connection (since it was lost, or
     since the first attempt) before every subchannel and waiter fails with
-    :class:`~.manager.DilationReconnectFailed`.
+    :class:`~.manager.DilationReconnectFailed`. ``no_path_timeout``: a
+    connection never up whose every attempt failed gives up this many seconds
+    after the first round failed (see :mod:`.redial`), with one line naming
+    each hint tried.
     """
     return wormhole.dilate(
         reconnect_timeout=reconnect_timeout,
+        no_path_timeout=no_path_timeout,
         relay_url=relay_url,
         no_listen=no_listen,
         listen_addresses=listen_addresses,

@@ -20,6 +20,7 @@ from collections.abc import Callable
 from typing import Any
 
 from twisted.internet import defer, endpoints, protocol
+from twisted.internet import error as E
 from twisted.python.failure import Failure
 
 from ..transit import hints as H
@@ -106,6 +107,19 @@ class L2Protocol(protocol.Protocol):
         self.connector._lost(self)
         if self.owner is not None:
             self.owner._connection_lost(self)
+
+
+def short_reason(error: BaseException | None, message: str) -> str:
+    """A failed dial in a few words: "refused", "timed out", or the error's text."""
+    if isinstance(error, E.ConnectionRefusedError):
+        return "refused"
+    if isinstance(error, E.TimeoutError | E.TCPTimedOutError):
+        return "timed out"
+    if isinstance(error, E.DNSLookupError):
+        return "not found (DNS lookup failed)"
+    if isinstance(error, E.NoRouteError):
+        return "unreachable (no route)"
+    return message
 
 
 class _Factory(protocol.Factory):
@@ -246,7 +260,7 @@ class GenerationConnector:
             if f.check(defer.CancelledError):
                 return  # we stopped it
             log.info("dilation %s failed: %s", desc, f.getErrorMessage())
-            self._on_attempt_failed(desc, f.getErrorMessage())
+            self._on_attempt_failed(desc, short_reason(f.value, f.getErrorMessage()))
 
         d.addErrback(failed)
         # The protocol (if any) was built before this fires: it counts on its own.
@@ -328,7 +342,7 @@ class GenerationConnector:
             self._protocols.discard(p)
             self._attempt_done()
             if not p.selected and not self.stopped and self.winner is None:
-                self._on_attempt_failed(p.description, "connection closed before it was selected")
+                self._on_attempt_failed(p.description, "closed during the handshake")
         if self.leader and self.winner is None:
             self._apply_selection(self._selection.connection_failed(p))
         self._check_idle()

@@ -49,6 +49,14 @@ class DilationReconnectFailed(DilationFailed):
     """
 
 
+class DilationNoPath(DilationReconnectFailed):
+    """The connection was never up and every hint failed (``no_path_timeout``).
+
+    Nothing can have moved on it; another try over the same hints finds no
+    path either, so callers end instead of retrying (and say it once).
+    """
+
+
 @dataclass
 class DilationStatus:
     """A snapshot for UIs: ``on_status(status)`` gets one at every change."""
@@ -89,6 +97,7 @@ class DilationManager:
         high_water: int = O.DEFAULT_HIGH_WATER,
         low_water: int = O.DEFAULT_LOW_WATER,
         reconnect_timeout: float = R.DEFAULT_GIVE_UP_AFTER,
+        no_path_timeout: float = R.DEFAULT_NO_PATH_TIMEOUT,
         redial: R.RedialPolicy | None = None,
     ) -> None:
         self._w = wormhole
@@ -119,7 +128,9 @@ class DilationManager:
         self._stopped: defer.Deferred | None = None
         # Redial (see .redial): the policy, its timer, and what was tried since
         # the connection went down (description -> (attempts, last error)).
-        self._redial = redial or R.RedialPolicy(give_up_after=reconnect_timeout)
+        self._redial = redial or R.RedialPolicy(
+            give_up_after=reconnect_timeout, no_path_timeout=no_path_timeout
+        )
         self._redial_timer = DeadlineTimer(reactor, self._redial_fired)
         self._tried: dict[str, tuple[int, str]] = {}
         self._down_generation = 0
@@ -283,8 +294,8 @@ class DilationManager:
             match action:
                 case R.Retry(attempt):
                     self._retry(attempt)
-                case R.GiveUp():
-                    self._give_up()
+                case R.GiveUp(no_path=no_path):
+                    self._give_up(no_path)
                     return
         self._arm_redial_timer()
 
@@ -306,9 +317,10 @@ class DilationManager:
     def _redial_fired(self, now: float) -> None:
         self._redial_event(self._redial.timer_fired)
 
-    def _give_up(self) -> None:
+    def _give_up(self, no_path: bool = False) -> None:
         relays = [f"tcp:{h.hostname}:{h.port}" for h in self._relays]
-        error = DilationReconnectFailed(
+        kind = DilationNoPath if no_path else DilationReconnectFailed
+        error = kind(
             R.give_up_message(
                 give_up_after=self._redial.give_up_after,
                 down_for=self._reactor.seconds() - (self._redial.down_since or 0.0),
@@ -318,9 +330,13 @@ class DilationManager:
                 relays=relays,
                 mailbox_connected=bool(getattr(self._w, "mailbox_connected", True)),
                 first_connection=not self._dilated.called,
+                no_path=no_path,
+                no_path_timeout=self._redial.no_path_timeout,
             )
         )
-        log.warning("dilation: %s", error)
+        # Whoever waits on this connection raises it; a warning here would
+        # print the same line twice on a CLI's stderr.
+        log.info("dilation: %s", error)
         self._failure = error
         self._status.error = str(error)
         self._apply(self._l1.give_up())

@@ -17,6 +17,15 @@ it returns:
   connection was lost (or since the first generation started). The manager
   fails every subchannel and waiter with
   :class:`~.manager.DilationReconnectFailed`.
+* No path at all: the connection was never up, and ``no_path_timeout``
+  seconds have passed since the first round of our attempts ended without
+  one (every hint refused or timed out, or none answered within
+  ``attempt_timeout``). Retries go on within that window (a peer's late
+  hint, a relay coming up), then :class:`GiveUp` with ``no_path``: a
+  transfer with no path fails in seconds, not after ``give_up_after``.
+  Bound: the first round ends within the dial timeout (10 s) or
+  ``attempt_timeout``, so a side with no path ends within
+  ``attempt_timeout + no_path_timeout`` of its first attempt.
 
 States::
 
@@ -25,6 +34,7 @@ States::
      |                     |  +-- (peer's turn) ---+  +----- Retry (timer) ---+
      +------connected------+-----------------------+--------------------------+
     any state but UP: timer at give-up deadline --GiveUp--> GAVE_UP (final)
+    never UP: timer at first failure + no_path_timeout --GiveUp--> GAVE_UP
 
 ``WAITING`` is "nothing of ours is in flight and nothing for us to do": a
 Follower waiting for the Leader's ``reconnect``, a Leader waiting for the
@@ -43,6 +53,9 @@ DEFAULT_GIVE_UP_AFTER = 300.0  # minutes, not seconds: a relay restart is routin
 DEFAULT_FIRST_DELAY = 0.5
 DEFAULT_MAX_DELAY = 5.0  # back within a few seconds of the path's return
 DEFAULT_ATTEMPT_TIMEOUT = 30.0  # a generation whose attempts hang (no RST, no answer)
+# Never connected and every hint failed: a few backoff rounds (0.5+1+2+4+5 s)
+# for a late hint or a relay that is just starting, then fail.
+DEFAULT_NO_PATH_TIMEOUT = 15.0
 
 
 @dataclass(frozen=True, slots=True)
@@ -58,6 +71,7 @@ class GiveUp:
 
     down_since: float
     retries: int
+    no_path: bool = False  # never up, every hint failed (no_path_timeout), not a lost connection
 
 
 RedialAction = Retry | GiveUp
@@ -73,6 +87,7 @@ class RedialPolicy:
         first_delay: float = DEFAULT_FIRST_DELAY,
         max_delay: float = DEFAULT_MAX_DELAY,
         attempt_timeout: float = DEFAULT_ATTEMPT_TIMEOUT,
+        no_path_timeout: float = DEFAULT_NO_PATH_TIMEOUT,
         random: Callable[[], float] = _random.random,
     ) -> None:
         if not give_up_after > 0:
@@ -81,7 +96,12 @@ class RedialPolicy:
             raise ValueError(f"need 0 < first_delay <= max_delay, not {first_delay}, {max_delay}")
         if not attempt_timeout > 0:
             raise ValueError(f"attempt_timeout must be > 0 seconds, not {attempt_timeout!r}")
+        if not no_path_timeout > 0:
+            raise ValueError(f"no_path_timeout must be > 0 seconds, not {no_path_timeout!r}")
         self.give_up_after = give_up_after
+        self.no_path_timeout = no_path_timeout
+        self.ever_up = False
+        self.first_failed: float | None = None  # never up: when our first round ended
         self.first_delay = first_delay
         self.max_delay = max_delay
         self.attempt_timeout = attempt_timeout
@@ -111,6 +131,7 @@ class RedialPolicy:
 
     def attempts_failed(self, now: float) -> list[RedialAction]:
         """Every attempt in flight has failed and none is scheduled."""
+        self._first_failure(now)
         if self.state in ("TRYING", "WAITING"):
             self.state = "BACKOFF"
             self._attempt_deadline = None
@@ -127,6 +148,7 @@ class RedialPolicy:
     def connected(self, now: float) -> list[RedialAction]:
         if self.state != "GAVE_UP":
             self.state = "UP"
+            self.ever_up = True
             self.down_since = None
             self.retries = 0
             self._retry_at = self._attempt_deadline = None
@@ -136,13 +158,17 @@ class RedialPolicy:
         if self.state in ("UP", "GAVE_UP"):
             return []
         assert self.down_since is not None
-        if now >= self.down_since + self.give_up_after:
+        no_path_at = self._no_path_deadline()
+        no_path = no_path_at is not None and now >= no_path_at
+        if no_path or now >= self.down_since + self.give_up_after:
             self.state = "GAVE_UP"
             self._retry_at = self._attempt_deadline = None
-            return [GiveUp(self.down_since, self.retries)]
+            return [GiveUp(self.down_since, self.retries, no_path=no_path)]
         due = self._retry_at if self.state == "BACKOFF" else self._attempt_deadline
         if self.state == "WAITING" or due is None or now < due:
             return []
+        if self.state == "TRYING":  # the attempts hung past attempt_timeout: a failed round
+            self._first_failure(now)
         self.retries += 1
         # Our retry starts new attempts: bound them like any generation's.
         self.state = "TRYING"
@@ -158,11 +184,24 @@ class RedialPolicy:
             return None
         assert self.down_since is not None
         deadlines = [self.down_since + self.give_up_after]
+        no_path = self._no_path_deadline()
+        if no_path is not None:
+            deadlines.append(no_path)
         if self.state == "BACKOFF" and self._retry_at is not None:
             deadlines.append(self._retry_at)
         if self.state == "TRYING" and self._attempt_deadline is not None:
             deadlines.append(self._attempt_deadline)
         return min(deadlines)
+
+    def _first_failure(self, now: float) -> None:
+        if not self.ever_up and self.first_failed is None:
+            self.first_failed = now
+
+    def _no_path_deadline(self) -> float | None:
+        """Never up and a round failed: when to stop trying (None: not due)."""
+        if self.ever_up or self.first_failed is None:
+            return None
+        return self.first_failed + self.no_path_timeout
 
     def delay(self, retries: int) -> float:
         """Backoff before retry number ``retries + 1``: doubling, capped, jittered.
@@ -184,8 +223,18 @@ def give_up_message(
     relays: list[str],
     mailbox_connected: bool,
     first_connection: bool,
+    no_path: bool = False,
+    no_path_timeout: float = DEFAULT_NO_PATH_TIMEOUT,
 ) -> str:
     """The give-up error's text: what was tried, since when, and what to check."""
+    if no_path:
+        return no_path_message(
+            down_for=down_for,
+            no_path_timeout=no_path_timeout,
+            tried=tried,
+            relays=relays,
+            mailbox_connected=mailbox_connected,
+        )
     what = (
         "could not connect to the other side"
         if first_connection
@@ -218,6 +267,41 @@ def give_up_message(
     )
     parts.append(check)
     return ". ".join(p[0].upper() + p[1:] for p in parts) + "."
+
+
+def no_path_message(
+    *,
+    down_for: float,
+    no_path_timeout: float,
+    tried: dict[str, tuple[int, str]],
+    relays: list[str],
+    mailbox_connected: bool,
+) -> str:
+    """One line for "never connected, every hint failed": each hint and why, what to check."""
+    if tried:
+        # Relays first: with no_listen they are the only path.
+        order = sorted(tried.items(), key=lambda kv: (not kv[0].startswith("relay"), kv[0]))
+        listed = ", ".join(
+            f"{desc} {why}" + (f" (x{n})" if n > 1 else "") for desc, (n, why) in order
+        )
+    elif relays:
+        listed = f"relay {', '.join(relays)} never answered"
+    else:
+        listed = "no relay configured and no direct hint from either side"
+    text = (
+        f"could not reach the other side: {listed}; no connection within {down_for:.0f} s "
+        f"(gave up {no_path_timeout:g} s after every attempt had failed)"
+    )
+    if not mailbox_connected:
+        text += "; the mailbox server is unreachable too"
+    check = (
+        f"check that the transit relay {', '.join(relays)} is running and reachable from both "
+        "machines, or that the machines can reach each other directly"
+        if relays
+        else "check that the machines can reach each other directly, or configure a transit "
+        "relay both can reach"
+    )
+    return f"{text}. {check[0].upper()}{check[1:]}."
 
 
 def _count(n: int, one: str, many: str) -> str:

@@ -309,6 +309,7 @@ def _stage(settings: ReadSettings) -> StagedDataset:
         mailbox=settings.mailbox_url,
         relay=settings.relay,
         timeout=settings.timeout,
+        timeout_option='option("timeout", ...)',  # the timeout error names the Spark option
     )
     log.info(
         "received %s %s (%d bytes, sha256 %s)",

@@ -43,6 +43,7 @@ def receive_file(
     timeout: float | None = None,
     no_listen: bool = False,
     staging_dir: str | os.PathLike[str] | None = None,
+    timeout_option: str = "timeout=",
 ) -> ReceivedFile:
     """Receive a file or directory sent with ``wormhole send`` (blocking; runs right here).
 
@@ -58,7 +59,8 @@ def receive_file(
     ``relay`` (a transit relay, ``tcp:HOST:PORT``; ``none`` for none) to
     ``$SPARK_DILATION_RELAY`` or the public relay. Raises
     :class:`~spark_dilation.errors.DilationError` subclasses whose message
-    says what went wrong.
+    says what went wrong; ``timeout_option`` is how the timeout error names
+    ``timeout`` (the data source passes its option's spelling).
     """
     # Imported here so that importing spark_dilation.spark (which Spark does
     # in every session to discover data sources) does not load Twisted.
@@ -75,6 +77,7 @@ def receive_file(
             relay_url=resolve_relay(relay),
             timeout=timeout,
             no_listen=no_listen,
+            timeout_option=timeout_option,
         )
     except BaseException:
         if created:

@@ -35,6 +35,7 @@ import pyarrow.csv as pacsv
 import pyarrow.dataset as ds
 import pyarrow.parquet as pq
 
+from ..dilation.manager import DilationNoPath
 from ..errors import TransferCancelledError, TransferError
 from .lane import lane_receiver
 from .options import TransferOptions
@@ -253,7 +254,8 @@ class DatasetSender:
             committed = _send_all(spec, meter.wrap(parts.makers), connections, meter)
         except BaseException as e:
             ticker.stop(final=False)
-            deliver_abort(spec, f"the sender failed: {e}")
+            if not isinstance(e, DilationNoPath):  # no path: nothing would reach the lanes
+                deliver_abort(spec, f"the sender failed: {e}")
             connections.close_transfer(spec.transfer_id)
             raise
         ticker.stop()
@@ -359,6 +361,7 @@ class _SendMeter:
             path=combine_paths(stats.paths),
             done=done,
             reconnecting=stats.reconnecting > 0,
+            connecting=stats.connecting > 0,
         )
 
 
@@ -457,13 +460,14 @@ class _ReceiveMeter:
         self._rows: dict[Path, int] = {}
 
     def snapshot(self, done: bool = False) -> Progress:
-        rows = nbytes = partitions = connections = reconnects = reconnecting = 0
+        rows = nbytes = partitions = connections = reconnects = reconnecting = connecting = 0
         paths: list[str] = []
         for r in self._receivers:
-            made, again, seen, down = r.live_stats()
+            made, again, seen, down, first = r.live_stats()
             connections += made
             reconnects += again
             reconnecting += down
+            connecting += first
             paths += seen
             with contextlib.suppress(OSError):
                 for f in r.staging.dir.iterdir():
@@ -488,6 +492,7 @@ class _ReceiveMeter:
             path=combine_paths(paths),
             done=done,
             reconnecting=reconnecting > 0,
+            connecting=connecting > 0,
         )
 
 

@@ -27,6 +27,7 @@ import contextlib
 import hashlib
 import hmac
 import json
+import logging
 import os
 import pickle
 import shutil
@@ -36,7 +37,7 @@ import subprocess
 import tempfile
 import time
 import uuid
-from collections.abc import Iterable
+from collections.abc import Iterable, Iterator
 from dataclasses import asdict
 from pathlib import Path
 from typing import Any
@@ -50,6 +51,8 @@ from .protocol import CommittedPartition, Complete, ProtocolError
 from .report import ConnectionStats
 from .spec import TransferSpec
 
+log = logging.getLogger(__name__)
+
 MAGIC = b"SDH1"
 KIND_PARTITION = b"P"
 KIND_MANIFEST = b"M"
@@ -59,6 +62,10 @@ MAX_REQUEST = 64 * 1024 * 1024  # a manifest of many partitions is still far bel
 HOST_START_WAIT = 30.0  # a host being started: how long a task waits for its socket
 _NOSIGNAL = getattr(socket, "MSG_NOSIGNAL", 0)  # EPIPE, not SIGPIPE, if the host is gone
 _AF_UNIX_PATH_MAX = 100  # sun_path is 104-108 bytes; stay under it everywhere
+# A longer socket path is reached through its directory's descriptor: the
+# kernel resolves /proc/self/fd/N/host.sock to the real (0700) directory.
+_PROC_FD = Path("/proc/self/fd")
+_warned_long: set[str] = set()
 
 
 def host_dir(spec: TransferSpec) -> Path:
@@ -93,7 +100,42 @@ def start_sender_host(spec: TransferSpec) -> bool:
 
 
 def socket_path_fits(spec: TransferSpec) -> bool:
-    return len(str(socket_path(spec)).encode()) <= _AF_UNIX_PATH_MAX
+    """Whether the host's socket can be bound here: its path fits ``sun_path``, or
+    /proc/self/fd gives a short name for it. If not, one warning says why the
+    sender host is not used (the tasks then send in-process)."""
+    path = socket_path(spec)
+    if len(os.fsencode(path)) <= _AF_UNIX_PATH_MAX or _PROC_FD.is_dir():
+        return True
+    if str(path) not in _warned_long:
+        _warned_long.add(str(path))
+        log.warning(
+            "not using a sender host for transfer %s: its socket path %s is %d bytes, over "
+            "this system's Unix socket limit (%d); the tasks send on their own. Set TMPDIR "
+            "to a shorter directory to use one.",
+            spec.transfer_id,
+            path,
+            len(os.fsencode(path)),
+            _AF_UNIX_PATH_MAX,
+        )
+    return False
+
+
+@contextlib.contextmanager
+def unix_address(path: Path) -> Iterator[str]:
+    """The name to ``bind``/``connect`` the Unix socket ``path`` by (valid inside the block).
+
+    ``path`` itself when it fits ``sun_path``; else ``/proc/self/fd/N/NAME``
+    with N a descriptor of its directory (thread-safe, unlike a chdir, and the
+    directory's permissions still apply).
+    """
+    if len(os.fsencode(path)) <= _AF_UNIX_PATH_MAX:
+        yield str(path)
+        return
+    fd = os.open(path.parent, os.O_RDONLY | os.O_DIRECTORY)
+    try:
+        yield str(_PROC_FD / str(fd) / path.name)
+    finally:
+        os.close(fd)
 
 
 class HostLaunch:
@@ -172,7 +214,8 @@ def _connect(spec: TransferSpec, kind: bytes, request: dict) -> socket.socket | 
         time.sleep(0.02)
     sock = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
     try:
-        sock.connect(str(path))
+        with unix_address(path) as address:
+            sock.connect(address)
     except OSError:  # gone meanwhile (refused, no such file)
         sock.close()
         return None
@@ -217,7 +260,9 @@ def _reply(sock: socket.socket, what: str) -> dict:
 
 def host_dir_log(sock: socket.socket) -> str:
     with contextlib.suppress(OSError):
-        return str(Path(sock.getpeername()).parent / "host.log")
+        peer = sock.getpeername()
+        if not peer.startswith(str(_PROC_FD)):  # a descriptor's name says nothing later
+            return str(Path(peer).parent / "host.log")
     return "host.log in the transfer's sender directory"
 
 

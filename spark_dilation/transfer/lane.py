@@ -34,12 +34,8 @@ from typing import Any
 
 import crochet
 
-from ..dilation.blocking import (
-    BlockingDilationError,
-    DilationClosed,
-    DilationTimeout,
-    SubchannelClosed,
-)
+from ..dilation.blocking import DilationClosed, DilationTimeout, SubchannelClosed
+from ..dilation.manager import DilationNoPath
 from ..errors import DilationError, TransferError
 from .protocol import (
     CONTROL_SUBPROTOCOL,
@@ -63,7 +59,7 @@ from .protocol import (
     encode_json,
 )
 from .rendezvous import RendezvousCancelled, dilate_paired, pair
-from .report import is_reconnecting, path_of, reconnects_of
+from .report import is_connecting, is_reconnecting, path_of, reconnects_of
 from .spec import TransferSpec
 from .staging import (
     CannotHealError,
@@ -104,6 +100,7 @@ class LaneReceiver:
         self.last_activity = time.monotonic()
         self.active_streams = 0
         self.connections_made = 0
+        self._ever_up = False  # a sender connection of this lane opened a subchannel
         self.reconnects = 0
         self.paths: list[str] = []
         # Why the last sender connection ended, when Dilation gave up on it
@@ -143,20 +140,21 @@ class LaneReceiver:
                     os.close(self._lock_fd)
                 self._lock_fd = -1
 
-    def live_stats(self) -> tuple[int, int, list[str], int]:
-        """(connections made, reconnects, paths, reconnecting now), for progress reports."""
+    def live_stats(self) -> tuple[int, int, list[str], int, int]:
+        """(connections made, reconnects, paths, reconnecting now, connecting now)."""
         with self._cond:
             conns = list(self._connections)
         paths = list(self.paths)
         reconnects = self.reconnects
-        reconnecting = 0
+        reconnecting = connecting = 0
         for conn in conns:
             with contextlib.suppress(Exception):
                 status = conn.status()
                 paths.append(path_of(status.connection))
                 reconnects += reconnects_of(status)
                 reconnecting += is_reconnecting(status)
-        return self.connections_made, reconnects, paths, reconnecting
+                connecting += is_connecting(status)
+        return self.connections_made, reconnects, paths, reconnecting, connecting
 
     def wait_finished(self) -> BaseException | None:
         """Block until the lane is done or failed, or idle for ``idle_timeout``; its error."""
@@ -182,7 +180,8 @@ class LaneReceiver:
                     self.error = LaneIdleError(
                         f"lane {self.lane} heard nothing from the sender for {idle:g} s (no "
                         "new connection, no data, no final manifest). Check that the writer "
-                        "is still running, or raise option idle_timeout"
+                        "is still running, or raise "
+                        f"{self.spec.options.spelled('idle_timeout')}"
                     )
             return self.error
 
@@ -221,6 +220,7 @@ class LaneReceiver:
                     listen=(PARTITION_SUBPROTOCOL, CONTROL_SUBPROTOCOL),
                     peer_timeout=opts.reconnect_timeout,
                     timeout=opts.reconnect_timeout,
+                    no_path_timeout=opts.no_path_timeout,
                 )
             except (RendezvousCancelled, crochet.ReactorStopped):
                 return  # stopped, or the process is exiting (a CLI after its transfer)
@@ -251,10 +251,11 @@ class LaneReceiver:
                 channel = conn.accept(name, timeout=0.5)
             except DilationTimeout:
                 continue
-            except BlockingDilationError as e:
+            except DilationError as e:  # ended: closed, given up, no path
                 log.info("lane %d: a sender connection ended: %s", self.lane, e)
                 with self._cond:
-                    if conn in self._connections:
+                    ours = conn in self._connections
+                    if ours:
                         self._connections.remove(conn)
                         clean = isinstance(e, DilationClosed | SubchannelClosed)
                         self.gave_up = None if clean else e
@@ -263,7 +264,15 @@ class LaneReceiver:
                             status = conn.status()
                             self.paths.append(path_of(status.connection))
                             self.reconnects += reconnects_of(status)
+                if isinstance(e, DilationNoPath) and not self._ever_up:
+                    # No sender ever reached this lane and this one found no
+                    # path at all: waiting for idle_timeout would help nobody.
+                    if ours:  # its wormhole too, before the caller ends the process
+                        with contextlib.suppress(Exception):
+                            conn.close(timeout=10, linger=0)
+                    self._finish(e)
                 return
+            self._ever_up = True  # a subchannel came: this lane was reached
             threading.Thread(target=self._guard, args=(handler, channel), daemon=True).start()
 
     def _guard(self, handler: Any, channel: Any) -> None:

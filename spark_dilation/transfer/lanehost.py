@@ -99,7 +99,7 @@ class RegisteredLane:
             done: dict[str, Any] = {"done": self.lane}
             if self.receiver is not None:
                 # What this lane received from the senders, for the receive report.
-                made, reconnects, paths, _ = self.receiver.live_stats()
+                made, reconnects, paths, _, _ = self.receiver.live_stats()
                 done.update(connections=made, reconnects=reconnects, paths=paths)
             registry.report(done)
         log.info("lane %d: %s; serving until the application ends", self.lane, error or "complete")

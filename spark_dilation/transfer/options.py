@@ -10,7 +10,7 @@ from __future__ import annotations
 import os
 import tempfile
 from collections.abc import Mapping
-from dataclasses import dataclass, fields, replace
+from dataclasses import dataclass, field, fields, replace
 from pathlib import Path
 from typing import Any
 
@@ -21,6 +21,9 @@ from ..errors import DilationError
 # imports this module, does not load the wormhole stack (Twisted) with it.
 COMPRESSIONS = ("none", "lz4", "zstd")
 EARLY_LANES = ("auto", "true", "false")
+SURFACES = ("python", "spark", "cli")
+# The CLI's flags for the options it exposes under another name.
+CLI_FLAGS = {"peer_timeout": "--timeout", "relay": "--relay", "no_listen": "--no-listen"}
 
 MAILBOX_ENV = "SPARK_DILATION_MAILBOX"
 RELAY_ENV = "SPARK_DILATION_RELAY"
@@ -56,6 +59,9 @@ class TransferOptions:
     * ``reconnect_timeout``: seconds a Dilation connection may stay broken
       (it retries meanwhile) before the partitions on it fail with the
       Dilation give-up error (``DilationReconnectFailed``).
+    * ``no_path_timeout``: a Dilation connection never up whose every hint
+      failed (refused, timed out) gives up this many seconds after its first
+      round of attempts failed, with one error naming the relay and each hint.
     * ``idle_timeout``: seconds a lane waits without any sender activity.
     * ``compression``: Arrow IPC body compression, ``none``, ``lz4`` or ``zstd``.
     * ``early_lanes``: start the receiving lanes as soon as the code is agreed
@@ -78,6 +84,7 @@ class TransferOptions:
     peer_timeout: float = 300.0
     lane_start_timeout: float = 300.0
     reconnect_timeout: float = 120.0
+    no_path_timeout: float = 15.0
     idle_timeout: float = 600.0
     compression: str = "none"
     staging_dir: str | None = None
@@ -86,11 +93,20 @@ class TransferOptions:
     sender_host: bool = True
     # Test-only fault injection ("" = none); see docs/transfer.md.
     test_fail: str = ""
+    # Not an option: the API the options came from ("python", "spark", "cli"),
+    # so that an error names the option the way that API spells it (spelled()).
+    surface: str = field(default="python", repr=False, compare=False, metadata={"internal": True})
 
     def __post_init__(self) -> None:
         if self.lanes < 1 or self.lanes > 4096:
             raise TransferOptionError(f"option lanes={self.lanes} must be between 1 and 4096")
-        for name in ("peer_timeout", "lane_start_timeout", "reconnect_timeout", "idle_timeout"):
+        for name in (
+            "peer_timeout",
+            "lane_start_timeout",
+            "reconnect_timeout",
+            "no_path_timeout",
+            "idle_timeout",
+        ):
             if not getattr(self, name) > 0:
                 raise TransferOptionError(
                     f"option {name}={getattr(self, name)!r} must be a positive number of seconds"
@@ -99,6 +115,8 @@ class TransferOptions:
             raise TransferOptionError(
                 f"option early_lanes={self.early_lanes!r} is not one of {', '.join(EARLY_LANES)}"
             )
+        if self.surface not in SURFACES:
+            raise TransferOptionError(f"surface={self.surface!r} is not one of {SURFACES}")
         if self.compression not in COMPRESSIONS:
             raise TransferOptionError(
                 f"option compression={self.compression!r} is not one of {', '.join(COMPRESSIONS)}"
@@ -124,19 +142,27 @@ class TransferOptions:
             return Path(self.staging_dir)
         return Path(tempfile.gettempdir()) / "spark-dilation"
 
+    def spelled(self, name: str) -> str:
+        """Option ``name`` as the user gave it to this API, for "raise ..." advice."""
+        if self.surface == "cli":
+            return CLI_FLAGS.get(name, name)
+        if self.surface == "spark":
+            return f'option("{name}", ...)'
+        return f"{name}="
+
     def with_(self, **changes: Any) -> TransferOptions:
         return replace(self, **changes)
 
     @classmethod
     def names(cls) -> tuple[str, ...]:
-        return tuple(f.name for f in fields(cls))
+        return tuple(f.name for f in fields(cls) if not f.metadata.get("internal"))
 
     @classmethod
     def from_strings(
         cls, options: Mapping[str, str], ignore: tuple[str, ...] = ()
     ) -> TransferOptions:
         """From Spark's string options; unknown keys (not in ``ignore``) are an error."""
-        known = {f.name: f for f in fields(cls)}
+        known = {f.name: f for f in fields(cls) if not f.metadata.get("internal")}
         values: dict[str, Any] = {}
         for key, raw in options.items():
             name = key.lower()
@@ -148,7 +174,7 @@ class TransferOptions:
                     f"{', '.join(sorted((*known, *ignore)))}"
                 )
             values[name] = _parse(name, raw, known[name].type)
-        return cls(**values)
+        return cls(**values, surface="spark")
 
 
 def _parse(name: str, raw: Any, kind: Any) -> Any:

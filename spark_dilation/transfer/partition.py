@@ -13,6 +13,7 @@ from collections.abc import Iterable, Iterator
 import pyarrow as pa
 
 from ..errors import TransferError
+from .options import TransferOptions
 from .protocol import (
     CommittedPartition,
     Complete,
@@ -25,13 +26,25 @@ from .spec import TransferSpec
 
 
 class LaneNotStartedError(TransferError, TimeoutError):
-    def __init__(self, lane: int, lanes: int, timeout: float, what: str = "a partition") -> None:
-        super().__init__(
-            f"lane {lane} of {lanes} did not start within {timeout:g} s (waited to send "
-            f"{what}). The reader runs its lanes when an action (count(), show(), write) runs, "
-            "and all lanes must run at once: set option lanes to at most the reader's task "
-            "slots, start the reader's action sooner, or raise option lane_start_timeout"
-        )
+    def __init__(
+        self,
+        lane: int,
+        lanes: int,
+        timeout: float,
+        what: str = "a partition",
+        options: TransferOptions | None = None,
+    ) -> None:
+        text = f"lane {lane} of {lanes} did not start within {timeout:g} s (waited to send {what})"
+        raise_it = options.spelled("lane_start_timeout") if options else "lane_start_timeout"
+        if options is None or options.surface == "spark":
+            text += (
+                ". The reader runs its lanes when an action (count(), show(), write) runs, "
+                "and all lanes must run at once: set option lanes to at most the reader's "
+                f"task slots, start the reader's action sooner, or raise {raise_it}"
+            )
+        else:  # the Python API and the CLI run every lane at once: no Spark advice
+            text += f". Check that the receiver is still running, or raise {raise_it}"
+        super().__init__(text)
 
 
 class LaneLostError(TransferError):

@@ -41,6 +41,24 @@ PROTOCOL = "spark-dilation/dataset"
 VERSION = 1
 # app_versions entry of the session wormhole: names our protocol and version.
 SESSION_APP_VERSIONS = {PROTOCOL: {"version": VERSION}}
+# Which end of the session a side is ("role" in its app_versions entry): two
+# readers that typed the same code meet each other, not the sender, and must
+# say so instead of each waiting for an offer the other never sends.
+SESSION_SENDER = "sender"
+SESSION_RECEIVER = "receiver"
+
+
+def session_versions(role: str) -> dict[str, Any]:
+    """Our session app_versions as ``role`` (``SESSION_SENDER`` or ``SESSION_RECEIVER``)."""
+    return {PROTOCOL: {"version": VERSION, "role": role}}
+
+
+def session_role(versions: dict[str, Any]) -> str | None:
+    """The peer's session role from its app_versions (None: not said, an older peer)."""
+    entry = versions.get(PROTOCOL)
+    return entry.get("role") if isinstance(entry, dict) else None
+
+
 # The rendezvous wormholes live in their own appid, so their nameplates
 # never collide with codes people type.
 RENDEZVOUS_APPID = "spark-dilation.org/dataset-rendezvous/v1"

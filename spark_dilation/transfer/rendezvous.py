@@ -391,13 +391,14 @@ def dilate_paired(
     listen: Iterable[str],
     peer_timeout: float,
     timeout: float,
+    no_path_timeout: float,
     receive_buffer: int | None = None,
 ) -> Any:
     """Dilate a paired wormhole and wrap it in the blocking facade.
 
-    ``peer_timeout`` (the transfer's ``reconnect_timeout``) is both the
-    Dilation connection's give-up and the blocking waits' peer deadline, so
-    the give-up error names the option's value.
+    ``peer_timeout`` (the transfer's ``reconnect_timeout``) is also the
+    Dilation ``reconnect_timeout``, so its give-up error, which says what was
+    tried and names the option's value, is the one raised.
     """
     from ..dilation.api import dilate
     from ..dilation.blocking import BlockingDilation
@@ -412,6 +413,7 @@ def dilate_paired(
             no_listen=no_listen,
             expected_subprotocols=names,
             reconnect_timeout=peer_timeout,
+            no_path_timeout=no_path_timeout,
         )
 
     dw = crochet.run_in_reactor(start)().wait(timeout)

@@ -18,6 +18,7 @@ class ConnectionStats:
     paths: tuple[str, ...]  # "direct" / "relay" per connection seen
     reconnecting: int = 0  # connections down right now and being re-established
     relay_fallbacks: int = 0  # connections relayed although both sides offered direct hints
+    connecting: int = 0  # connections never up yet (first attempts under way)
 
 
 @dataclass(frozen=True)
@@ -76,7 +77,16 @@ def reconnects_of(status: Any) -> int:
 
 
 def is_reconnecting(status: Any) -> bool:
-    """Down and trying to come back: not given up, not stopped."""
+    """Was up, is down and trying to come back: not given up, not stopped."""
+    return status.connections > 0 and _trying(status)
+
+
+def is_connecting(status: Any) -> bool:
+    """Never up yet and trying (a connection never up is not "reconnecting")."""
+    return status.connections == 0 and _trying(status)
+
+
+def _trying(status: Any) -> bool:
     return status.connection is None and status.down_since is not None and not status.error
 
 
@@ -135,6 +145,7 @@ class Progress:
     path: str = "unknown"
     done: bool = False
     reconnecting: bool = False  # a connection is down and being re-established
+    connecting: bool = False  # no connection was ever up yet; the first is being made
 
     @property
     def rows_per_s(self) -> float:

@@ -29,6 +29,7 @@ import crochet
 import pyarrow as pa
 
 from ..dilation.blocking import BlockingDilationError, DilationTimeout
+from ..dilation.manager import DilationNoPath
 from ..errors import DilationError
 from .partition import (
     InjectedFailure,
@@ -54,7 +55,7 @@ from .protocol import (
     lane_of,
 )
 from .rendezvous import LaneAlive, Paired, RendezvousTimeout, dilate_paired, pair
-from .report import ConnectionStats, is_reconnecting, path_of, reconnects_of
+from .report import ConnectionStats, is_connecting, is_reconnecting, path_of, reconnects_of
 from .spec import TransferSpec
 
 log = logging.getLogger(__name__)
@@ -140,13 +141,17 @@ class ConnectionPool:
                 conn = self._conns.get(key)
             if conn is not None and conn._error is None and not conn._closed:
                 return conn
+            if conn is not None and isinstance(conn._error, DilationNoPath):
+                # No path to this lane over these hints: a new connection finds
+                # none either, so every later partition fails at once with it.
+                raise conn._error
             if conn is not None:
                 self.evict(spec.transfer_id, lane, conn)
             try:
                 paired = self._pair(spec, lane, deadline)
             except RendezvousTimeout:
                 raise LaneNotStartedError(
-                    lane, spec.lanes, spec.options.lane_start_timeout, what
+                    lane, spec.lanes, spec.options.lane_start_timeout, what, spec.options
                 ) from None
             conn = self._dilate(spec, lane, paired)
             with self._lock:
@@ -186,6 +191,7 @@ class ConnectionPool:
             listen=(),
             peer_timeout=opts.reconnect_timeout,
             timeout=opts.reconnect_timeout,
+            no_path_timeout=opts.no_path_timeout,
         )
         log.info(
             "connected to lane %d of transfer %s (slot %d)", lane, spec.transfer_id, paired.slot
@@ -267,7 +273,7 @@ class ConnectionPool:
             conns = [c for (t, _), c in self._conns.items() if t == transfer_id]
             opened = self.opened.get(transfer_id, 0)
         paths: list[str] = []
-        reconnects = reconnecting = fallbacks = 0
+        reconnects = reconnecting = connecting = fallbacks = 0
         for c in conns:
             try:
                 status = c.status()
@@ -276,9 +282,10 @@ class ConnectionPool:
             paths.append(path_of(status.connection))
             reconnects += reconnects_of(status)
             reconnecting += is_reconnecting(status)
+            connecting += is_connecting(status)
             fallbacks += status.relay_fallbacks
         return ConnectionStats(
-            process_name(), opened, reconnects, tuple(paths), reconnecting, fallbacks
+            process_name(), opened, reconnects, tuple(paths), reconnecting, fallbacks, connecting
         )
 
     def close_transfer(self, transfer_id: str) -> None:

@@ -47,6 +47,7 @@ from .hostlink import (
     read_request,
     socket_path,
     socket_path_fits,
+    unix_address,
     write_answer,
 )
 from .lifetime import owner_pid, read_private, try_lock, watch
@@ -95,7 +96,8 @@ class SenderHost:
             path.unlink()  # a stale socket of a host that was killed
         old_umask = os.umask(0o177)  # the socket is ours alone
         try:
-            listener.bind(str(path))
+            with unix_address(path) as address:  # a long path: by its directory's fd
+                listener.bind(address)
         finally:
             os.umask(old_umask)
         listener.listen(64)

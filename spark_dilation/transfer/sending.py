@@ -5,8 +5,9 @@ Whether this machine's sender host carries the work (option ``sender_host``,
 nowhere else. With ``sender_host`` (the default) the driver machine's host
 runs the session and every sending machine gets one host, started by its
 first task, so a transfer opens at most one connection per (sending
-machine, lane); a machine where no host can run (a socket path too long)
-sends in-process. Importing this module loads no network stack.
+machine, lane); a machine where no host can run (a socket path over the
+Unix socket limit and no /proc to shorten it; one warning says so) sends
+in-process. Importing this module loads no network stack.
 """
 
 from __future__ import annotations

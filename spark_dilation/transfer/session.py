@@ -31,13 +31,16 @@ from ..wormhole.blocking import ensure_reactor
 from .options import TransferOptions
 from .protocol import (
     PROTOCOL,
-    SESSION_APP_VERSIONS,
+    SESSION_RECEIVER,
+    SESSION_SENDER,
     Accept,
     Offer,
     ProtocolError,
     decode_session_message,
     error_message,
     schema_bytes,
+    session_role,
+    session_versions,
     transfer_secret,
 )
 from .spec import TransferSpec
@@ -63,6 +66,15 @@ def _wait(result: Any, timeout: float, what: str) -> Any:
     except crochet.TimeoutError:
         result.cancel()
         raise SessionTimeout(f"{what} did not finish within {timeout:g} s") from None
+
+
+async def within(d: defer.Deferred, seconds: float, error: Callable[[], BaseException]) -> Any:
+    """Await ``d`` (on the reactor) for at most ``seconds``; then raise ``error()``."""
+    d.addTimeout(seconds, _reactor())
+    try:
+        return await d
+    except defer.TimeoutError:
+        raise error() from None
 
 
 class SenderSession:
@@ -101,8 +113,9 @@ class SenderSession:
                 SESSION_APPID,
                 options.mailbox_url,
                 _reactor(),
-                app_versions=SESSION_APP_VERSIONS,
+                app_versions=session_versions(SESSION_SENDER),
                 timeout=options.peer_timeout,
+                timeout_option=options.spelled("peer_timeout"),
             )
             if code is None:
                 w.allocate_code(code_length)
@@ -136,8 +149,22 @@ class SenderSession:
                         "`wormhole receive`, which takes files: send a file with "
                         "`spark-dilation send --classic FILE` instead)"
                     )
+                if session_role(versions) == SESSION_SENDER:
+                    raise TransferError(
+                        f"the other side of the code {self.code} is another sender, not a "
+                        "receiver: two senders used the same code. Send again with a new code."
+                    )
                 w.send_message(offer.encode())
-                kind, body = decode_session_message(await w.get_message())
+                answer = await within(
+                    w.get_message(),
+                    self.options.peer_timeout,
+                    lambda: TransferError(
+                        f"the receiver of the code {self.code} did not answer the dataset offer "
+                        f"within {self.options.peer_timeout:g} seconds; it may have ended. "
+                        f"Raise {self.options.spelled('peer_timeout')} to wait longer."
+                    ),
+                )
+                kind, body = decode_session_message(answer)
                 if kind == "error":
                     raise PeerRejectedError(body)
                 if kind != "accept":
@@ -186,8 +213,23 @@ async def accept_offer(
     reason it returns goes to the sender and is raised as a
     :class:`TransferError`.
     """
+    if session_role(await w.get_versions()) == SESSION_RECEIVER:
+        raise TransferError(
+            "the other side of this code is another receiver, not the sender: two "
+            "receivers used the same code (a reader ran twice, or one mistyped its code "
+            "and the sender's code is spent). Ask the sender for a new code."
+        )
+    message = await within(
+        w.get_message(),
+        options.peer_timeout,
+        lambda: TransferError(
+            f"the other side used the code but sent no dataset offer within "
+            f"{options.peer_timeout:g} seconds; it may have ended. "
+            f"Raise {options.spelled('peer_timeout')} to wait longer."
+        ),
+    )
     try:
-        kind, offer = decode_session_message(await w.get_message())
+        kind, offer = decode_session_message(message)
         if kind == "error":
             raise PeerRejectedError(offer)
         if kind != "offer":
@@ -226,8 +268,9 @@ def receive_session(
             SESSION_APPID,
             options.mailbox_url,
             reactor,
-            app_versions=SESSION_APP_VERSIONS,
+            app_versions=session_versions(SESSION_RECEIVER),
             timeout=options.peer_timeout,
+            timeout_option=options.spelled("peer_timeout"),
         )
         try:
             w.set_code(code)

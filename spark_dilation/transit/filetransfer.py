@@ -374,6 +374,7 @@ def receive_file_blocking(
     timeout: float | None = None,
     no_listen: bool = False,
     output_name: str | None = None,
+    timeout_option: str = "timeout=",
 ) -> ReceivedFile:
     """Receive one offered file or directory into ``dest_dir`` (any non-reactor thread).
 
@@ -391,7 +392,9 @@ def receive_file_blocking(
         from twisted.internet import reactor
 
         async def go() -> ReceivedFile | ReceivedText:
-            w = Wormhole(appid, mailbox_url, reactor, timeout=timeout)
+            w = Wormhole(
+                appid, mailbox_url, reactor, timeout=timeout, timeout_option=timeout_option
+            )
             connector = TransitConnector(
                 reactor, is_sender=False, relay_url=relay_url, no_listen=no_listen
             )

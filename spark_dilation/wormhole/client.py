@@ -155,7 +155,8 @@ class Wormhole:
     ``versions`` is the full plaintext of our ``version`` phase (callers
     normally pass ``app_versions`` and let us build it). ``timeout`` bounds
     the wait for the other side to use the code and confirm the key; when it
-    expires the wormhole closes with :class:`PeerTimeoutError`.
+    expires the wormhole closes with :class:`PeerTimeoutError`, whose advice
+    names ``timeout_option`` (the caller's spelling: ``--timeout``, ``peer_timeout=``).
     """
 
     def __init__(
@@ -167,6 +168,7 @@ class Wormhole:
         app_versions: dict[str, Any] | None = None,
         versions: dict[str, Any] | None = None,
         timeout: float | None = None,
+        timeout_option: str = "the timeout",
         side: str | None = None,
         retry_policy: Callable[[int], float] | None = None,
         dilation: bool = False,
@@ -187,6 +189,7 @@ class Wormhole:
             appid, versions=versions, side=side, keep_nameplate=keep_nameplate
         )
         self._timeout = timeout
+        self._timeout_option = timeout_option
         self._ws: _MailboxProtocol | None = None
         self._ever_connected = False
         self._stopping = False
@@ -380,7 +383,11 @@ class Wormhole:
             self._ws = None
             self._feed(self._core.connection_lost())
             if not self._stopping:
-                log.warning("lost the mailbox connection (%s); reconnecting", reason)
+                # At process exit the reactor drops every connection: no news.
+                exiting = getattr(self._reactor, "_stopped", False)
+                (log.info if exiting else log.warning)(
+                    "lost the mailbox connection (%s); reconnecting", reason
+                )
         elif not self._ever_connected and not self._stopping:
             # The TCP connection worked but it never became a mailbox WebSocket.
             self._abort(ServerConnectionError(self._url, reason))
@@ -479,11 +486,14 @@ class Wormhole:
     def _peer_timed_out(self) -> None:
         self._timers.pop("peer", None)
         if self._core.their_side is None:
-            error: WormholeError = PeerTimeoutError(self._core.code, self._timeout or 0)
+            error: WormholeError = PeerTimeoutError(
+                self._core.code, self._timeout or 0, self._timeout_option
+            )
         else:
             error = WormholeError(
                 f"the other side used the code but did not confirm the key within "
-                f"{self._timeout:g} seconds; it may have crashed or lost its connection"
+                f"{self._timeout:g} seconds; it may have crashed or lost its connection "
+                f"(or raise {self._timeout_option})"
             )
         self._feed(self._core.close(error))
 
