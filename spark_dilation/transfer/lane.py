@@ -169,11 +169,10 @@ class LaneReceiver:
                     # back within reconnect_timeout: the sender ended without a word
                     # (killed, machine lost) or the network between us is down.
                     self.finished = True
+                    timeout = self.spec.options.reconnect_timeout
                     self.error = LaneIdleError(
-                        f"lane {self.lane}: the connection to the sender was lost and did not "
-                        f"come back within {self.spec.options.reconnect_timeout:g} s "
-                        f"(reconnect_timeout): {self.gave_up}. The sending process ended "
-                        "without a word, or the network between the two sides is down"
+                        f"lane {self.lane} lost the sender: no connection for {timeout:g} s "
+                        f"({self.spec.options.spelled('reconnect_timeout')}): {self.gave_up}"
                     )
                 elif quiet > idle and not self.active_streams and not self.finished:
                     self.finished = True
