@@ -13,10 +13,13 @@ errors).
 from __future__ import annotations
 
 import argparse
+import contextlib
 import json
 import logging
 import os
+import shutil
 import sys
+import threading
 from collections.abc import Callable, Sequence
 from pathlib import Path
 from typing import Any, TextIO
@@ -24,9 +27,9 @@ from typing import Any, TextIO
 import crochet
 from twisted.internet import defer, threads
 
-from . import __version__
+from . import __version__, cli_signals
 from .cli_progress import Reporter, pick_mode
-from .errors import DilationError, TransferError
+from .errors import DilationError, Interrupted, TransferError
 from .transfer.options import TransferOptionError
 from .transit import filetransfer, offers
 from .transit.connector import TransitConnector
@@ -230,6 +233,7 @@ def run_command(
 ) -> int:
     """Run a blocking command (the reactor runs in a crochet thread); errors to exit codes."""
     ensure_reactor()
+    cli_signals.install()  # Ctrl-C, SIGTERM: Interrupted, handled below
     try:
         command(args, reporter)
         return 0
@@ -239,15 +243,28 @@ def run_command(
     except ValueError as e:  # e.g. a malformed --mailbox URL
         _fail(reporter, str(e))
         return EXIT_USAGE
-    except KeyboardInterrupt:
+    except KeyboardInterrupt as e:
+        # The transfer already told the other side and cleaned up; str(e) says so.
+        message = str(e) if isinstance(e, Interrupted) else "cancelled (Ctrl-C)"
         reporter.close()
-        return 130
+        reporter.emit("cancelled", message=message)
+        print(f"spark-dilation: {message}", file=sys.stderr)
+        _quiet_from_now()
+        cli_signals.restore_terminal()
+        return cli_signals.exit_code()
+
+
+def _quiet_from_now() -> None:
+    """The line just printed is the last: no teardown chatter after it (unless -v)."""
+    if logging.getLogger().level >= logging.WARNING:
+        logging.disable(logging.WARNING)
 
 
 def _fail(reporter: Reporter, message: str) -> None:
     reporter.close()
     reporter.emit("error", message=message)
     print(f"spark-dilation: error: {message}", file=sys.stderr)
+    _quiet_from_now()
 
 
 def _on_reactor(fn: Callable[..., Any], *args: Any) -> Any:
@@ -259,6 +276,10 @@ def _on_reactor(fn: Callable[..., Any], *args: Any) -> Any:
         return result.wait(timeout=10 * 365 * 86400)
     except KeyboardInterrupt:
         result.cancel()
+        # Let the cancel run its cleanup (close the wormhole and the transit
+        # connection), and take its CancelledError: unclaimed, it is printed.
+        with contextlib.suppress(Exception):
+            result.wait(timeout=2)
         raise
 
 
@@ -436,6 +457,8 @@ def receive(args: argparse.Namespace, reporter: Reporter) -> None:
     spec, dest = agreed
     from .transfer.api import receive_agreed
 
+    staged = spec.options.staging_root / spec.transfer_id
+    cli_signals.also_on_exit_now(lambda: shutil.rmtree(staged, ignore_errors=True))
     reporter.say(f"Receiving a dataset ({len(spec.schema)} columns) into {dest}/")
     got = receive_agreed(spec, dest, format=args.format, on_progress=reporter.progress)
     reporter.close()
@@ -488,7 +511,7 @@ def receive_session_or_classic(
     def exchange() -> Any:
         code = args.code
         if not code:
-            code = yield threads.deferToThread(_ask_for_code, reactor, w, err)
+            code = yield _in_daemon_thread(reactor, _ask_for_code, reactor, w, err)
         w.set_code(code)
         yield w.get_verifier()
         versions = yield w.get_versions()
@@ -547,6 +570,24 @@ def receive_session_or_classic(
         return None
 
     return (yield _finish(w, exchange()))
+
+
+def _in_daemon_thread(reactor: Any, fn: Callable[..., Any], *args: Any) -> defer.Deferred:
+    """``fn(*args)`` in a daemon thread: a prompt blocked in input() must not keep a
+    cancelled command from exiting (the reactor's thread pool would wait for it)."""
+    d: defer.Deferred = defer.Deferred()
+
+    def run() -> None:
+        try:
+            result = fn(*args)
+        except BaseException as e:
+            error = e
+            reactor.callFromThread(lambda: d.called or d.errback(error))
+        else:
+            reactor.callFromThread(lambda: d.called or d.callback(result))
+
+    threading.Thread(target=run, name="code-prompt", daemon=True).start()
+    return d
 
 
 def _ask_for_code(reactor: Any, w: Wormhole, err: TextIO) -> str:
