@@ -248,9 +248,12 @@ def run_command(
         message = str(e) if isinstance(e, Interrupted) else "cancelled (Ctrl-C)"
         reporter.close()
         reporter.emit("cancelled", message=message)
+        if _prompting.is_set():
+            print(file=sys.stderr)  # off the prompt's line
         print(f"spark-dilation: {message}", file=sys.stderr)
         _quiet_from_now()
         cli_signals.restore_terminal()
+        cli_signals.exit_soon(cli_signals.exit_code())
         return cli_signals.exit_code()
 
 
@@ -505,7 +508,7 @@ def receive_session_or_classic(
                 raise TransferError("no answer on stdin: pass --accept-file to accept the file")
             print(f"ok? (Y/n): {line.strip()}", file=err)
             return line.strip().lower() in ("", "y", "yes")
-        return input("ok? (Y/n): ").strip().lower() in ("", "y", "yes")
+        return _prompt("ok? (Y/n): ").lower() in ("", "y", "yes")
 
     @defer.inlineCallbacks
     def exchange() -> Any:
@@ -590,6 +593,17 @@ def _in_daemon_thread(reactor: Any, fn: Callable[..., Any], *args: Any) -> defer
     return d
 
 
+_prompting = threading.Event()  # a prompt waits for a line: Ctrl-C starts a new one
+
+
+def _prompt(text: str) -> str:
+    _prompting.set()
+    try:
+        return input(text).strip()
+    finally:
+        _prompting.clear()
+
+
 def _ask_for_code(reactor: Any, w: Wormhole, err: TextIO) -> str:
     """Prompt for a code (runs in a thread); Tab completes from the wordlist."""
     if not sys.stdin.isatty():
@@ -600,7 +614,7 @@ def _ask_for_code(reactor: Any, w: Wormhole, err: TextIO) -> str:
     try:
         import readline
     except ImportError:  # pragma: no cover - platform without readline
-        return input("Enter receive wormhole code: ").strip()
+        return _prompt("Enter receive wormhole code: ")
 
     nameplates: list[str] = []
 
@@ -618,7 +632,7 @@ def _ask_for_code(reactor: Any, w: Wormhole, err: TextIO) -> str:
     readline.set_completer(completer)
     readline.parse_and_bind("tab: complete")
     print(" (Tab completes the words)", file=err)
-    return input("Enter receive wormhole code: ").strip()
+    return _prompt("Enter receive wormhole code: ")
 
 
 if __name__ == "__main__":  # pragma: no cover

@@ -16,6 +16,8 @@ import contextlib
 import os
 import signal
 import sys
+import threading
+import time
 from collections.abc import Callable
 from typing import Any
 
@@ -68,6 +70,21 @@ def restore_terminal() -> None:
         import termios
 
         termios.tcsetattr(sys.stdin.fileno(), termios.TCSADRAIN, _tty)
+
+
+def exit_soon(code: int, grace: float = 2.0) -> None:
+    """Exit with ``code`` after ``grace`` seconds even if the normal exit hangs.
+
+    The normal exit closes what is still open (the reactor, connections); a
+    thread blocked where nothing can stop it (an ``ok?`` prompt read on the
+    reactor's thread) would keep the process alive for ever.
+    """
+
+    def watchdog() -> None:
+        time.sleep(grace)
+        exit_now(code)  # quietly: the command's last line is already out
+
+    threading.Thread(target=watchdog, name="exit-watchdog", daemon=True).start()
 
 
 def exit_now(code: int) -> None:

@@ -205,7 +205,7 @@ class DatasetSender:
         )
         self.code: str = self._session.code
         self._cancelled = threading.Event()
-        self._cause = "cancel()"
+        self._cause = "cancel() was called"
         self._lock = threading.Lock()
         self._under_way: tuple[str, ConnectionPool] | None = None
 

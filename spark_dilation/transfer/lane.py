@@ -18,8 +18,9 @@ it; another process reading the same lane meanwhile follows the staged
 files. Lane states (``docs/transfer.md`` has the diagram)::
 
     STARTING -> RECEIVING (lobby open) -> DONE (manifest + every partition staged)
-    RECEIVING -> ABORTED (the sender's abort) | FAILED (a partition lost with an
-    earlier incarnation: cannot heal)
+    RECEIVING -> ABORTED (the sender's abort, or the receiving side ended it:
+    :meth:`LaneReceiver.end_transfer` tells the senders) | FAILED (a partition
+    lost with an earlier incarnation: cannot heal)
 """
 
 from __future__ import annotations
