@@ -229,6 +229,22 @@ def test_second_ctrl_c_exits_at_once_and_still_cleans_up(
     assert not any(staging.glob("*")) and not out.exists()
 
 
+def test_sigterm_while_the_sender_waits_for_a_receiver(
+    mailbox_url: str,
+    source: Path,
+    procs: Callable[..., Running],  # noqa: F811
+) -> None:
+    sender = procs(send_cmd(mailbox_url, "tcp:127.0.0.1:9", str(source)))
+    sender.wait_for_stderr("waiting for the receiver")
+    t0 = time.monotonic()
+    sender.proc.send_signal(signal.SIGTERM)
+    took = end_times(t0, sender=sender)
+    assert last_line(sender.finish(), 143) == (
+        "spark-dilation: cancelled (SIGTERM); no receiver had taken the dataset"
+    )
+    assert took["sender"] < 5.0, took
+
+
 def test_ctrl_c_at_the_code_prompt_exits_with_one_press(mailbox_url: str) -> None:
     pid, fd = pty.fork()
     if pid == 0:  # the child: the command on a terminal of its own
