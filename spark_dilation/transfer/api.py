@@ -322,7 +322,8 @@ class DatasetSender:
                 f"the send with code {self.code} was cancelled ({cause}); {outcome}"
             )
         connections.fail(tid, error)
-        deliver_abort(spec, str(error) or type(error).__name__, connections=connections)
+        reason = str(error) or type(error).__name__
+        deliver_abort(spec, reason, connections=connections, reached_only=True)
         return error
 
 
