@@ -13,10 +13,13 @@ errors).
 from __future__ import annotations
 
 import argparse
+import contextlib
 import json
 import logging
 import os
+import shutil
 import sys
+import threading
 from collections.abc import Callable, Sequence
 from pathlib import Path
 from typing import Any, TextIO
@@ -24,9 +27,9 @@ from typing import Any, TextIO
 import crochet
 from twisted.internet import defer, threads
 
-from . import __version__, cleanup
+from . import __version__, cleanup, cli_signals
 from .cli_progress import Reporter, pick_mode
-from .errors import DilationError, TransferError
+from .errors import DilationError, Interrupted, TransferError
 from .transfer.options import DEFAULT_RELAY_URL, TransferOptionError, resolve_relay
 from .transit import filetransfer, offers
 from .transit.connector import TransitConnector
@@ -294,6 +297,7 @@ def run_command(
 ) -> int:
     """Run a blocking command (the reactor runs in a crochet thread); errors to exit codes."""
     ensure_reactor()
+    cli_signals.install()  # Ctrl-C, SIGTERM: Interrupted, handled below
     try:
         command(args, reporter)
         return 0
@@ -303,15 +307,31 @@ def run_command(
     except ValueError as e:  # e.g. a malformed --mailbox URL
         _fail(reporter, str(e))
         return EXIT_USAGE
-    except KeyboardInterrupt:
+    except KeyboardInterrupt as e:
+        # The transfer already told the other side and cleaned up; str(e) says so.
+        message = str(e) if isinstance(e, Interrupted) else "cancelled (Ctrl-C)"
         reporter.close()
-        return 130
+        reporter.emit("cancelled", message=message)
+        if _prompting.is_set():
+            print(file=sys.stderr)  # off the prompt's line
+        print(f"spark-dilation: {message}", file=sys.stderr)
+        _quiet_from_now()
+        cli_signals.restore_terminal()
+        cli_signals.exit_soon(cli_signals.exit_code())
+        return cli_signals.exit_code()
+
+
+def _quiet_from_now() -> None:
+    """The line just printed is the last: no teardown chatter after it (unless -v)."""
+    if logging.getLogger().level >= logging.WARNING:
+        logging.disable(logging.WARNING)
 
 
 def _fail(reporter: Reporter, message: str) -> None:
     reporter.close()
     reporter.emit("error", message=message)
     print(f"spark-dilation: error: {message}", file=sys.stderr)
+    _quiet_from_now()
 
 
 def _on_reactor(fn: Callable[..., Any], *args: Any) -> Any:
@@ -323,6 +343,10 @@ def _on_reactor(fn: Callable[..., Any], *args: Any) -> Any:
         return result.wait(timeout=10 * 365 * 86400)
     except KeyboardInterrupt:
         result.cancel()
+        # Let the cancel run its cleanup (close the wormhole and the transit
+        # connection), and take its CancelledError: unclaimed, it is printed.
+        with contextlib.suppress(Exception):
+            result.wait(timeout=2)
         raise
 
 
@@ -523,6 +547,8 @@ def receive(args: argparse.Namespace, reporter: Reporter) -> None:
     spec, dest = agreed
     from .transfer.api import receive_agreed
 
+    staged = spec.options.staging_root / spec.transfer_id
+    cli_signals.also_on_exit_now(lambda: shutil.rmtree(staged, ignore_errors=True))
     reporter.say(f"Receiving a dataset ({len(spec.schema)} columns) into {dest}/")
     got = receive_agreed(spec, dest, format=args.format, on_progress=reporter.progress)
     reporter.close()
@@ -577,13 +603,13 @@ def receive_session_or_classic(
                 raise TransferError("no answer on stdin: pass --accept-file to accept the file")
             print(f"ok? (Y/n): {line.strip()}", file=err)
             return line.strip().lower() in ("", "y", "yes")
-        return input("ok? (Y/n): ").strip().lower() in ("", "y", "yes")
+        return _prompt("ok? (Y/n): ").lower() in ("", "y", "yes")
 
     @defer.inlineCallbacks
     def exchange() -> Any:
         code = args.code
         if not code:
-            code = yield threads.deferToThread(_ask_for_code, reactor, w, err)
+            code = yield _in_daemon_thread(reactor, _ask_for_code, reactor, w, err)
         w.set_code(code)
         yield w.get_verifier()
         versions = yield w.get_versions()
@@ -644,6 +670,35 @@ def receive_session_or_classic(
     return (yield _finish(w, exchange()))
 
 
+def _in_daemon_thread(reactor: Any, fn: Callable[..., Any], *args: Any) -> defer.Deferred:
+    """``fn(*args)`` in a daemon thread: a prompt blocked in input() must not keep a
+    cancelled command from exiting (the reactor's thread pool would wait for it)."""
+    d: defer.Deferred = defer.Deferred()
+
+    def run() -> None:
+        try:
+            result = fn(*args)
+        except BaseException as e:
+            error = e
+            reactor.callFromThread(lambda: d.called or d.errback(error))
+        else:
+            reactor.callFromThread(lambda: d.called or d.callback(result))
+
+    threading.Thread(target=run, name="code-prompt", daemon=True).start()
+    return d
+
+
+_prompting = threading.Event()  # a prompt waits for a line: Ctrl-C starts a new one
+
+
+def _prompt(text: str) -> str:
+    _prompting.set()
+    try:
+        return input(text).strip()
+    finally:
+        _prompting.clear()
+
+
 def _ask_for_code(reactor: Any, w: Wormhole, err: TextIO) -> str:
     """Prompt for a code (runs in a thread); Tab completes from the wordlist."""
     if not sys.stdin.isatty():
@@ -654,7 +709,7 @@ def _ask_for_code(reactor: Any, w: Wormhole, err: TextIO) -> str:
     try:
         import readline
     except ImportError:  # pragma: no cover - platform without readline
-        return input("Enter receive wormhole code: ").strip()
+        return _prompt("Enter receive wormhole code: ")
 
     nameplates: list[str] = []
 
@@ -672,7 +727,7 @@ def _ask_for_code(reactor: Any, w: Wormhole, err: TextIO) -> str:
     readline.set_completer(completer)
     readline.parse_and_bind("tab: complete")
     print(" (Tab completes the words)", file=err)
-    return input("Enter receive wormhole code: ").strip()
+    return _prompt("Enter receive wormhole code: ")
 
 
 if __name__ == "__main__":  # pragma: no cover

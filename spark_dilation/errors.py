@@ -143,3 +143,26 @@ class PeerRejectedError(TransferError):
 
 class TransferCancelledError(TransferError):
     """The transfer was cancelled on this side (``handle.cancel()``)."""
+
+
+class Interrupted(KeyboardInterrupt):
+    """Ctrl-C (or SIGTERM, which the CLI turns into this) stopped a transfer on this side.
+
+    A ``KeyboardInterrupt``, so it ends a program as Ctrl-C does. ``cause``
+    names the signal (``"Ctrl-C"``, ``"SIGTERM"``); ``outcome``, once the
+    transfer has cleaned up, says whether the other side was told. ``str()``
+    is the line the CLI prints.
+    """
+
+    def __init__(self, cause: str = "Ctrl-C", outcome: str = "") -> None:
+        self.cause = cause
+        self.outcome = outcome
+        super().__init__(cause, outcome)
+
+    def __str__(self) -> str:
+        return f"cancelled ({self.cause})" + (f"; {self.outcome}" if self.outcome else "")
+
+
+def interrupt_cause(error: BaseException) -> str:
+    """What stopped us: the :class:`Interrupted` cause, else ``"Ctrl-C"`` (a plain one)."""
+    return error.cause if isinstance(error, Interrupted) else "Ctrl-C"

@@ -245,8 +245,13 @@ def test_lane_book_rules() -> None:
     assert book.done()
     book.check_rows()
     assert book.committed_partitions() == [1, 4]
-    book.aborted = "boom"
-    assert "aborted: boom" in book.begin(header(7)).reason
+    book.aborted = "the sender aborted the transfer: boom"
+    refused = book.begin(header(7))
+    assert (
+        refused.action == "refuse"
+        and refused.ended
+        and "aborted the transfer: boom" in refused.reason
+    )
 
 
 def test_lane_book_row_mismatch_and_duplicate_manifest() -> None:
@@ -378,3 +383,18 @@ def test_replacement_probes_start_after_a_while_down_then_back_off() -> None:
     assert not clock.observe(key, False, 500.0)  # back up: forgotten
     assert not clock.observe(key, True, 501.0)
     assert clock.observe(key, True, 501.0 + REPLACE_AFTER)
+
+
+def test_abort_either_way_names_its_side_and_reads_an_older_peer() -> None:
+    from spark_dilation.transfer.protocol import TAG_ABORT, Abort
+
+    cancel = Abort("Ctrl-C", cancelled=True)
+    tag, body = decode_message(cancel.encode())
+    assert tag == TAG_ABORT and Abort.from_body(body) == cancel
+    assert cancel.text("receiver") == "the receiver cancelled the transfer (Ctrl-C)"
+    assert cancel.text("sender") == "the sender cancelled the transfer (Ctrl-C)"
+    failed = Abort("disk full on /data")
+    assert failed.text("receiver") == "the receiver aborted the transfer: disk full on /data"
+    # An older sender's abort: {"reason": ...} alone, or an empty reason.
+    assert Abort.from_body({"reason": "job failed"}) == Abort("job failed", False)
+    assert Abort.from_body({"reason": ""}).text("sender").endswith(": no reason given")

@@ -25,7 +25,7 @@ import shutil
 import threading
 import time
 from collections.abc import Callable, Iterator, Sequence
-from concurrent.futures import ThreadPoolExecutor
+from concurrent.futures import FIRST_EXCEPTION, ThreadPoolExecutor, wait
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -36,10 +36,10 @@ import pyarrow.dataset as ds
 import pyarrow.parquet as pq
 
 from ..dilation.manager import DilationNoPath
-from ..errors import TransferCancelledError, TransferError
+from ..errors import Interrupted, TransferCancelledError, TransferError, interrupt_cause
 from .lane import lane_receiver
 from .options import TransferOptions
-from .protocol import CommittedPartition, Manifest
+from .protocol import Abort, CommittedPartition, Manifest
 from .report import Progress, TransferReport, combine_paths
 from .sender import ConnectionPool, LaneLostError, deliver_abort, deliver_manifest, send_partition
 from .session import ReceivedFileResult, SenderSession, receive_session
@@ -49,6 +49,10 @@ from .staging import LaneStaging, read_staged, rows_of
 log = logging.getLogger(__name__)
 
 TARGET_PARTITION_BYTES = 64 * 1024 * 1024
+# Telling the other side of a cancel: a round trip on a live connection, after
+# the data already queued on it (up to about 12 MiB: instant on a fast link).
+CANCEL_TELL_TIMEOUT = 10.0
+CANCEL_LINGER = 5.0  # for our answer to the receiver's end to get through
 MAX_ATTEMPTS = 3
 PROGRESS_INTERVAL = 0.5  # seconds between progress snapshots
 ProgressCallback = Callable[[Progress], None]
@@ -202,13 +206,25 @@ class DatasetSender:
         )
         self.code: str = self._session.code
         self._cancelled = threading.Event()
+        self._cause = "cancel() was called"
+        self._lock = threading.Lock()
+        self._under_way: tuple[str, ConnectionPool] | None = None
 
-    def cancel(self) -> None:
-        """Stop this send: a receiver not yet met will not be met; a partition under
-        way stops at its next batch and the receiver is told. :meth:`wait` then
-        raises :class:`~spark_dilation.errors.TransferCancelledError`."""
-        self._cancelled.set()
+    def cancel(self, cause: str | None = None) -> None:
+        """Stop this send: a receiver not yet met will not be met; partitions under
+        way stop within about a second and the receiver is told ("the sender
+        cancelled the transfer (``cause``)"). :meth:`wait` then raises
+        :class:`~spark_dilation.errors.TransferCancelledError`. Ctrl-C
+        (``KeyboardInterrupt``) in :meth:`wait` takes the same path and raises
+        :class:`~spark_dilation.errors.Interrupted`."""
+        with self._lock:
+            if cause:
+                self._cause = cause
+            self._cancelled.set()
+            under_way = self._under_way
         self._session.cancel()
+        if under_way is not None:
+            under_way[1].fail(under_way[0], self._cancelled_error())
 
     def _cancelled_error(self) -> TransferCancelledError:
         return TransferCancelledError(f"the send with code {self.code} was cancelled")
@@ -238,6 +254,9 @@ class DatasetSender:
         """
         try:
             spec = self._session.wait()
+        except KeyboardInterrupt as e:
+            self._session.cancel()
+            raise Interrupted(interrupt_cause(e), "no receiver had taken the dataset") from None
         except Exception as e:
             if self._cancelled.is_set():
                 raise TransferCancelledError(
@@ -248,16 +267,24 @@ class DatasetSender:
         parts = _partitions(self._source, spec.lanes)
         parts.makers = self._unless_cancelled(parts.makers)
         connections = ConnectionPool()
+        with self._lock:
+            self._under_way = (spec.transfer_id, connections)
+        if self._cancelled.is_set():  # cancel() came just before
+            connections.fail(spec.transfer_id, self._cancelled_error())
         meter = _SendMeter(spec.transfer_id, connections, _total_rows(self._source), started)
         ticker = _Ticker(meter.snapshot, on_progress, interval)
         try:
             committed = _send_all(spec, meter.wrap(parts.makers), connections, meter)
         except BaseException as e:
             ticker.stop(final=False)
-            if not isinstance(e, DilationNoPath):  # no path: nothing would reach the lanes
-                deliver_abort(spec, f"the sender failed: {e}")
-            connections.close_transfer(spec.transfer_id)
-            raise
+            ended = self._ended(spec, connections, e)
+            # The receiver ended it: it waits for our answer, which queues behind the data
+            # we had sent; closing now would drop it. Else the lanes were told already.
+            linger = CANCEL_LINGER if connections.receiver_ended(spec.transfer_id) else 0
+            connections.close_transfer(spec.transfer_id, linger=linger)
+            if ended is e:
+                raise
+            raise ended from e
         ticker.stop()
         stats = connections.stats(spec.transfer_id)
         manifest, control = deliver_manifest(spec, committed)
@@ -274,6 +301,32 @@ class DatasetSender:
             compression=spec.compression,
             relay_fallbacks=stats.relay_fallbacks,
         )
+
+    def _ended(
+        self, spec: TransferSpec, connections: ConnectionPool, error: BaseException
+    ) -> BaseException:
+        """Tell the receiver the send ended (unless it ended it); the error to raise."""
+        tid = spec.transfer_id
+        if connections.receiver_ended(tid):
+            return connections.failure(tid) or error  # the receiver's reason, not ours
+        interrupted = isinstance(error, KeyboardInterrupt)
+        if interrupted or self._cancelled.is_set():
+            cause = interrupt_cause(error) if interrupted else self._cause
+            connections.fail(tid, self._cancelled_error())  # Ctrl-C: stop what still runs
+            told = deliver_abort(
+                spec, cause, CANCEL_TELL_TIMEOUT, connections, cancelled=True, reached_only=True
+            )
+            outcome = "the receiver was told" if told else "the receiver could not be told"
+            if interrupted:
+                return Interrupted(cause, outcome)
+            return TransferCancelledError(
+                f"the send with code {self.code} was cancelled ({cause}); {outcome}"
+            )
+        connections.fail(tid, error)
+        if not isinstance(error, DilationNoPath):  # no path: nothing would reach the lanes
+            reason = str(error) or type(error).__name__
+            deliver_abort(spec, reason, connections=connections, reached_only=True)
+        return error
 
 
 class _Ticker:
@@ -387,8 +440,22 @@ def _send_all(
         raise AssertionError("unreachable")
 
     workers = max(1, min(len(makers), 2 * spec.lanes, 16))
-    with ThreadPoolExecutor(max_workers=workers) as ex:
-        return list(ex.map(one, range(len(makers))))
+    ex = ThreadPoolExecutor(max_workers=workers)
+    futures = [ex.submit(one, p) for p in range(len(makers))]
+    try:
+        wait(futures, return_when=FIRST_EXCEPTION)
+        failed = [f.exception() for f in futures if f.done() and f.exception() is not None]
+        if failed:
+            # The first failure ends the transfer: the other partitions stop at once.
+            connections.fail(spec.transfer_id, failed[0])
+            raise failed[0]
+    except KeyboardInterrupt as e:
+        cancelled = TransferCancelledError(f"cancelled ({interrupt_cause(e)})")
+        connections.fail(spec.transfer_id, cancelled)
+        raise
+    finally:
+        ex.shutdown(wait=True, cancel_futures=True)  # quick: fail() cut every stream
+    return [f.result() for f in futures]
 
 
 def send_dataset(
@@ -505,16 +572,24 @@ def _wait_lanes(
             if other is not None:
                 other.stop(linger=0)
         raise TransferError("another process on this machine is already receiving this transfer")
-    ticker = _Ticker(_ReceiveMeter(receivers, time.monotonic()).snapshot, on_progress, interval)
-    for r in receivers:
-        assert r is not None
-        error = r.wait_finished()
-        if error is not None:
-            ticker.stop(final=False)
-            for other in receivers:
-                assert other is not None
-                other.stop(linger=0)
-            raise error
+    live = [r for r in receivers if r is not None]
+    ticker = _Ticker(_ReceiveMeter(live, time.monotonic()).snapshot, on_progress, interval)
+    try:
+        # Any lane's error ends the receive (a lane the sender aborted, though others wait).
+        while True:
+            error = next((r.error for r in live if r.error is not None), None)
+            pending = [r for r in live if not r.finished]
+            if error is not None or not pending:
+                break
+            pending[0].wait_finished(timeout=0.25)
+    except KeyboardInterrupt as e:
+        ticker.stop(final=False)
+        raise Interrupted(interrupt_cause(e), _tell_sender(live, interrupt_cause(e))) from None
+    if error is not None:
+        ticker.stop(final=False)
+        for other in live:
+            other.stop(linger=0)
+        raise error
     ticker.stop()
     manifests = []
     paths = []
@@ -529,6 +604,31 @@ def _wait_lanes(
         reconnects += r.reconnects
         paths.extend(r.paths)
     return manifests, connections, reconnects, paths
+
+
+def _tell_sender(receivers: list[Any], cause: str) -> str:
+    """The receiver was cancelled: every lane tells its sender connections, then stops."""
+    abort = Abort(cause, cancelled=True)
+    error = Interrupted(cause)
+    outcomes: list[str] = []
+    threads = [
+        threading.Thread(
+            target=lambda r=r: outcomes.append(r.end_transfer(abort, error, CANCEL_TELL_TIMEOUT)),
+            daemon=True,
+        )
+        for r in receivers
+    ]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join(CANCEL_TELL_TIMEOUT + 1)
+    # Each lane stops in a thread of its own (end_transfer): closing a wormhole
+    # whose peer is busy or gone can take seconds, and we have nothing to wait for.
+    if "confirmed" in outcomes:
+        return "the sender was told"
+    if "sent" in outcomes:
+        return "the sender was told (no answer yet)"
+    return "the sender could not be told"
 
 
 def receive_dataset(
@@ -576,30 +676,34 @@ def receive_agreed(
     if refusal is not None:
         raise TransferError(refusal)
     started = time.monotonic() if started is None else started
-    manifests, connections, reconnects, paths = _wait_lanes(spec, on_progress, interval)
-    partitions = sorted(
-        (c for lane, m in enumerate(manifests) for c in m.for_lane(lane)),
-        key=lambda c: c.partition,
-    )
-    staging = {
-        lane: LaneStaging(opts.staging_root, spec.transfer_id, lane) for lane in range(spec.lanes)
-    }
-    result = ReceivedDataset(
-        TransferReport(
-            rows=sum(c.rows for c in partitions),
-            bytes=sum(c.bytes for c in partitions),
-            partitions=len(partitions),
-            lanes=spec.lanes,
-            connections=connections,
-            reconnects=reconnects,
-            path=combine_paths(paths),
-            seconds=time.monotonic() - started,
-            compression=spec.compression,
-        ),
-        spec.schema,
-    )
+    out = None if dest is None else Path(dest)
+    made_dest = out is not None and not out.exists()
+    result: ReceivedDataset | None = None
     try:
-        if dest is None:
+        manifests, connections, reconnects, paths = _wait_lanes(spec, on_progress, interval)
+        partitions = sorted(
+            (c for lane, m in enumerate(manifests) for c in m.for_lane(lane)),
+            key=lambda c: c.partition,
+        )
+        staging = {
+            lane: LaneStaging(opts.staging_root, spec.transfer_id, lane)
+            for lane in range(spec.lanes)
+        }
+        result = ReceivedDataset(
+            TransferReport(
+                rows=sum(c.rows for c in partitions),
+                bytes=sum(c.bytes for c in partitions),
+                partitions=len(partitions),
+                lanes=spec.lanes,
+                connections=connections,
+                reconnects=reconnects,
+                path=combine_paths(paths),
+                seconds=time.monotonic() - started,
+                compression=spec.compression,
+            ),
+            spec.schema,
+        )
+        if out is None:
             batches = [
                 b
                 for c in partitions
@@ -607,11 +711,11 @@ def receive_agreed(
             ]
             result.table = pa.Table.from_batches(batches, schema=spec.schema)
         else:
-            out = Path(dest)
             out.mkdir(parents=True, exist_ok=True)
             for c in partitions:
                 src = staging[c.lane].complete_path(c.partition)
                 target = out / f"part-{c.partition:05d}.{format}"
+                result.files.append(target)
                 if format == "arrow":  # the IPC file format (what .arrow/Feather v2 readers take)
                     with pa.ipc.new_file(target, spec.schema) as writer:
                         for b in read_staged(src):
@@ -624,7 +728,17 @@ def receive_agreed(
                     with pq.ParquetWriter(target, spec.schema) as writer:
                         for b in read_staged(src):
                             writer.write_batch(b)
-                result.files.append(target)
+    except BaseException as e:
+        # Nothing half-written stays behind (a cancel, a failure).
+        if out is not None and made_dest:
+            shutil.rmtree(out, ignore_errors=True)
+        elif result is not None:
+            for f in result.files:
+                f.unlink(missing_ok=True)
+        if isinstance(e, KeyboardInterrupt) and not isinstance(e, Interrupted):
+            kept = "the dataset had arrived; nothing was kept"
+            raise Interrupted(interrupt_cause(e), kept) from None
+        raise
     finally:
         shutil.rmtree(opts.staging_root / spec.transfer_id, ignore_errors=True)
     return result

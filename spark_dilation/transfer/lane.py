@@ -18,8 +18,9 @@ it; another process reading the same lane meanwhile follows the staged
 files. Lane states (``docs/transfer.md`` has the diagram)::
 
     STARTING -> RECEIVING (lobby open) -> DONE (manifest + every partition staged)
-    RECEIVING -> ABORTED (the sender's abort) | FAILED (a partition lost with an
-    earlier incarnation: cannot heal)
+    RECEIVING -> ABORTED (the sender's abort, or the receiving side ended it:
+    :meth:`LaneReceiver.end_transfer` tells the senders) | FAILED (a partition
+    lost with an earlier incarnation: cannot heal)
 """
 
 from __future__ import annotations
@@ -48,6 +49,7 @@ from .protocol import (
     TAG_MANIFEST,
     TAG_OK,
     TAG_TRAILER,
+    Abort,
     Complete,
     LaneBook,
     Manifest,
@@ -140,6 +142,48 @@ class LaneReceiver:
                     os.close(self._lock_fd)
                 self._lock_fd = -1
 
+    def end_transfer(self, abort: Abort, error: BaseException, timeout: float = 5.0) -> str:
+        """The receiving side ends the transfer: tell each sender connection, then finish.
+
+        ``A`` (``abort``) goes on a control subchannel of every connection
+        this lane holds, in parallel; partition streams that still arrive
+        are refused. The connections stay up until a sender answers ``K``
+        (or ``timeout`` passes): closing sooner could drop the ``A`` still
+        on its way, and the sender's answer queues behind the partition
+        data it had sent (instant on a fast link, seconds on a slow one).
+        Returns ``"confirmed"``, ``"sent"`` or ``""`` (no connection took
+        it). The lane then finishes with ``error``. For a cancel and for
+        any failure of the receiving side (its reason in ``abort``).
+        """
+        with self._cond:
+            self.book.aborted = abort.text("receiver")
+            conns = list(self._connections)
+        deadline = time.monotonic() + timeout
+        sent = threading.Event()
+        confirmed = threading.Event()
+
+        def tell(conn: Any) -> None:
+            try:
+                with conn.open(CONTROL_SUBPROTOCOL, timeout=timeout) as channel:
+                    channel.send(abort.encode(), timeout=timeout)
+                    sent.set()
+                    reply = channel.receive(timeout=max(0.1, deadline - time.monotonic()))
+                if reply is not None and decode_message(reply)[0] == TAG_OK:
+                    confirmed.set()
+            except (DilationError, OSError) as e:  # gone, or a sender that does not listen
+                log.info("lane %d: no confirmation from a sender of the end: %s", self.lane, e)
+
+        threads = [threading.Thread(target=tell, args=(c,), daemon=True) for c in conns]
+        for t in threads:
+            t.start()
+        # One confirmation is enough: the sender ends the whole transfer.
+        while not confirmed.is_set() and any(t.is_alive() for t in threads):
+            if time.monotonic() >= deadline:
+                break
+            confirmed.wait(0.05)
+        self._finish(error)
+        return "confirmed" if confirmed.is_set() else "sent" if sent.is_set() else ""
+
     def live_stats(self) -> tuple[int, int, list[str], int, int]:
         """(connections made, reconnects, paths, reconnecting now, connecting now)."""
         with self._cond:
@@ -156,12 +200,19 @@ class LaneReceiver:
                 connecting += is_connecting(status)
         return self.connections_made, reconnects, paths, reconnecting, connecting
 
-    def wait_finished(self) -> BaseException | None:
-        """Block until the lane is done or failed, or idle for ``idle_timeout``; its error."""
+    def wait_finished(self, timeout: float | None = None) -> BaseException | None:
+        """Block until the lane is done or failed, or idle for ``idle_timeout``; its error.
+
+        With ``timeout``, return after that long at most (check :attr:`finished`).
+        """
         idle = self.spec.options.idle_timeout
+        until = None if timeout is None else time.monotonic() + timeout
         with self._cond:
             while not self.finished:
-                self._cond.wait(0.5)
+                if until is not None and time.monotonic() >= until:
+                    break
+                left = 0.5 if until is None else until - time.monotonic()
+                self._cond.wait(max(0.0, min(0.5, left)))
                 quiet = time.monotonic() - self.last_activity
                 lost = self.gave_up is not None and not self._connections
                 if lost and not self.active_streams and not self.finished:
@@ -306,7 +357,8 @@ class LaneReceiver:
             self.active_streams += 1
         try:
             if decision.action == "refuse":
-                channel.send(encode_json(TAG_ERROR, {"error": decision.reason}))
+                refusal = {"error": decision.reason, "ended": decision.ended}
+                channel.send(encode_json(TAG_ERROR, refusal))
                 return
             self._receive_stream(channel, header, decision.action == "discard")
         finally:
@@ -393,11 +445,11 @@ class LaneReceiver:
                 if done:
                     self._finish(None)
         elif tag == TAG_ABORT:
-            reason = str(body.get("reason", "no reason given"))
+            abort = Abort.from_body(body)
             with self._cond:
-                self.book.aborted = reason
+                self.book.aborted = abort.text("sender")
             channel.send(encode_json(TAG_OK, {}))
-            self._finish(TransferAbortedError(reason))
+            self._finish(TransferAbortedError(abort.text("sender")))
         else:
             channel.send(encode_json(TAG_ERROR, {"error": f"unexpected {tag!r}"}))
 

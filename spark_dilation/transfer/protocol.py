@@ -18,7 +18,10 @@ Wire summary (every JSON object is UTF-8, keys as shown):
   Arrow IPC stream bytes (at most about 1 MiB of rows each), ``T`` trailer;
   answered by ``C`` complete or ``E`` error.
 * Control subchannel ``spark-dilation/control/v1``: ``M`` manifest or ``A``
-  abort; answered by ``K`` or ``E``.
+  abort; answered by ``K`` or ``E``. Opened by the sender towards a lane, and
+  by a lane towards each sender connection it holds for ``A`` alone: the
+  receiving side ended the transfer (:class:`Abort`). A sender that does not
+  listen for it (an older one) refuses the subchannel; nothing else changes.
 """
 
 from __future__ import annotations
@@ -305,6 +308,36 @@ def decode_message(message: bytes) -> tuple[bytes, Any]:
     if not isinstance(body, dict):
         raise ProtocolError(f"malformed {tag.decode()} message: not an object")
     return tag, body
+
+
+@dataclass(frozen=True)
+class Abort:
+    """``A``: one side ended the whole transfer; the other side stops at once.
+
+    Either way: the sender tells every lane (its task failed, or it was
+    cancelled), a lane tells every sender connection it holds (the receiver
+    was cancelled, or failed on its side). The rule on receipt is the same
+    on both sides: the transfer is over, nothing is retried, and the error
+    shown is :meth:`text`. ``reason`` is the cause (``"Ctrl-C"``) when
+    ``cancelled``, else what failed.
+    """
+
+    reason: str
+    cancelled: bool = False
+
+    def encode(self) -> bytes:
+        return encode_json(TAG_ABORT, {"reason": self.reason, "cancelled": self.cancelled})
+
+    @classmethod
+    def from_body(cls, body: dict[str, Any]) -> Abort:
+        # An older sender sent {"reason": ...} alone.
+        return cls(str(body.get("reason") or "no reason given"), bool(body.get("cancelled")))
+
+    def text(self, side: str) -> str:
+        """The one-line error the other side shows; ``side`` is who sent it ("sender")."""
+        if self.cancelled:
+            return f"the {side} cancelled the transfer ({self.reason})"
+        return f"the {side} aborted the transfer: {self.reason}"
 
 
 @dataclass(frozen=True)
@@ -598,6 +631,7 @@ class Decision:
 
     action: str  # "receive", "discard" (already have it: answer complete), "refuse"
     reason: str = ""
+    ended: bool = False  # refused because the transfer is over (an abort either way)
 
 
 class LaneBook:
@@ -623,7 +657,7 @@ class LaneBook:
 
     def begin(self, header: PartitionHeader) -> Decision:
         if self.aborted is not None:
-            return Decision("refuse", f"the transfer was aborted: {self.aborted}")
+            return Decision("refuse", self.aborted, ended=True)
         if header.transfer_id != self.transfer_id:
             return Decision("refuse", "this partition belongs to another transfer")
         if header.schema != self.schema:

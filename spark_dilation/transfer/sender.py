@@ -7,6 +7,13 @@ partition it sends to that lane, each on its own subchannel. The pool is a
 cache: Spark may kill the worker when it is idle, and a broken connection is
 evicted and made again by the next partition.
 
+A lane may end the whole transfer from the receiving side (``A`` on a
+control subchannel it opens: cancelled, or failed there): the pool hears it
+on every connection it made and fails the transfer at once
+(:meth:`ConnectionPool.fail`): streams under way are cut, every partition of
+it raises the lane's reason (:class:`TransferAbortedError`) and none is sent
+again. A local cancel uses the same cut.
+
 Sender task states (``docs/transfer.md`` has the diagram)::
 
     CONNECTING --pool hit / paired--> STREAMING --trailer sent--> AWAITING_COMPLETE
@@ -16,6 +23,8 @@ Sender task states (``docs/transfer.md`` has the diagram)::
 
 from __future__ import annotations
 
+import contextlib
+import copy
 import logging
 import os
 import socket
@@ -30,7 +39,7 @@ import pyarrow as pa
 
 from ..dilation.blocking import BlockingDilationError, DilationTimeout
 from ..dilation.manager import DilationNoPath
-from ..errors import DilationError
+from ..errors import DilationError, TransferError
 from .partition import (
     InjectedFailure,
     LaneLostError,
@@ -46,6 +55,7 @@ from .protocol import (
     TAG_COMPLETE,
     TAG_ERROR,
     TAG_OK,
+    Abort,
     CommittedPartition,
     Complete,
     Manifest,
@@ -54,9 +64,17 @@ from .protocol import (
     encode_json,
     lane_of,
 )
-from .rendezvous import LaneAlive, Paired, RendezvousTimeout, dilate_paired, pair
+from .rendezvous import (
+    LaneAlive,
+    Paired,
+    RendezvousCancelled,
+    RendezvousTimeout,
+    dilate_paired,
+    pair,
+)
 from .report import ConnectionStats, is_connecting, is_reconnecting, path_of, reconnects_of
 from .spec import TransferSpec
+from .staging import TransferAbortedError
 
 log = logging.getLogger(__name__)
 
@@ -131,6 +149,9 @@ class ConnectionPool:
         self._watcher: threading.Thread | None = None
         self.opened: dict[str, int] = {}  # transfer -> connections opened
         self.paths: dict[str, list[str]] = {}
+        self._failed: dict[str, BaseException] = {}  # transfer -> why it ended (first wins)
+        self._streams: dict[str, set[Any]] = {}  # transfer -> partition subchannels under way
+        self._ending: dict[str, threading.Event] = {}  # transfer -> set by fail(): stop pairing
 
     def get(self, spec: TransferSpec, lane: int, deadline: float, what: str = "a partition") -> Any:
         key = (spec.transfer_id, lane)
@@ -149,6 +170,8 @@ class ConnectionPool:
                 self.evict(spec.transfer_id, lane, conn)
             try:
                 paired = self._pair(spec, lane, deadline)
+            except RendezvousCancelled:
+                raise self.failure(spec.transfer_id) or TransferError("cancelled") from None
             except RendezvousTimeout:
                 raise LaneNotStartedError(
                     lane, spec.lanes, spec.options.lane_start_timeout, what, spec.options
@@ -178,6 +201,7 @@ class ConnectionPool:
             role=ROLE_SENDER,
             start_slot=start_slot,
             deadline=deadline,
+            cancel=self._ended_event(spec.transfer_id),
             what=f"lane {lane}",
             probe=probe,
         )
@@ -188,7 +212,7 @@ class ConnectionPool:
             paired,
             relay_url=opts.relay_url,
             no_listen=opts.no_listen,
-            listen=(),
+            listen=(CONTROL_SUBPROTOCOL,),  # the lane's abort (the receiving side ended)
             peer_timeout=opts.reconnect_timeout,
             timeout=opts.reconnect_timeout,
             no_path_timeout=opts.no_path_timeout,
@@ -196,6 +220,9 @@ class ConnectionPool:
         log.info(
             "connected to lane %d of transfer %s (slot %d)", lane, spec.transfer_id, paired.slot
         )
+        threading.Thread(
+            target=self._hear_lane, args=(spec.transfer_id, lane, conn), daemon=True
+        ).start()
         return conn
 
     # --- replaced lanes ------------------------------------------------------------
@@ -258,6 +285,85 @@ class ConnectionPool:
         )  # fmt: skip
         threading.Thread(target=_quiet_close, args=(old, 0.0), daemon=True).start()
 
+    def _hear_lane(self, transfer_id: str, lane: int, conn: Any) -> None:
+        """Accept the lane's control subchannels until the connection closes."""
+        while True:
+            try:
+                channel = conn.accept(CONTROL_SUBPROTOCOL, timeout=1.0)
+            except DilationTimeout:
+                continue
+            except BlockingDilationError:
+                return  # closed (or gone): nothing more to hear on it
+            try:
+                with channel:
+                    message = channel.receive(timeout=5.0)
+                    if message is None:
+                        continue
+                    tag, body = decode_message(message)
+                    if tag != TAG_ABORT:
+                        channel.send(encode_json(TAG_ERROR, {"error": f"unexpected {tag!r}"}))
+                        continue
+                    channel.send(encode_json(TAG_OK, {}))
+            except (DilationError, OSError) as e:
+                log.info("lane %d: a control stream ended early: %s", lane, e)
+                continue
+            abort = Abort.from_body(body)
+            log.info("lane %d: %s", lane, abort.text("receiver"))
+            self.fail(transfer_id, TransferAbortedError(abort.text("receiver")))
+
+    def fail(self, transfer_id: str, error: BaseException) -> None:
+        """End the transfer here: cut its streams under way; its partitions raise ``error``.
+
+        The first call wins (a cancel, or the receiver's abort). Connections
+        stay open, so the sender can still tell the lanes (:func:`deliver_abort`).
+        """
+        with self._lock:
+            if transfer_id in self._failed:
+                return
+            self._failed[transfer_id] = error
+            streams = list(self._streams.pop(transfer_id, ()))
+        self._ended_event(transfer_id).set()  # a partition still pairing stops too
+        for channel in streams:
+            # No trailer: each lane drops its attempt; a blocked send() raises at once.
+            with contextlib.suppress(Exception):
+                channel.close(timeout=5)
+
+    def lanes_connected(self, transfer_id: str) -> list[int]:
+        """The lanes of the transfer this pool holds a live connection to."""
+        with self._lock:
+            return sorted(
+                lane
+                for (t, lane), c in self._conns.items()
+                if t == transfer_id and c._error is None and not c._closed
+            )
+
+    def _ended_event(self, transfer_id: str) -> threading.Event:
+        with self._lock:
+            return self._ending.setdefault(transfer_id, threading.Event())
+
+    def failure(self, transfer_id: str) -> BaseException | None:
+        """A copy of why the transfer ended here (each raiser gets its own), or None."""
+        with self._lock:
+            error = self._failed.get(transfer_id)
+        return None if error is None else copy.copy(error)
+
+    def receiver_ended(self, transfer_id: str) -> bool:
+        """Whether the receiving side ended the transfer (so it need not be told)."""
+        with self._lock:
+            return isinstance(self._failed.get(transfer_id), TransferAbortedError)
+
+    def _track(self, transfer_id: str, channel: Any) -> bool:
+        """Register a partition stream under way; False if the transfer already ended."""
+        with self._lock:
+            if transfer_id in self._failed:
+                return False
+            self._streams.setdefault(transfer_id, set()).add(channel)
+            return True
+
+    def _untrack(self, transfer_id: str, channel: Any) -> None:
+        with self._lock:
+            self._streams.get(transfer_id, set()).discard(channel)
+
     def evict(self, transfer_id: str, lane: int, conn: Any = None) -> None:
         with self._lock:
             current = self._conns.get((transfer_id, lane))
@@ -288,14 +394,20 @@ class ConnectionPool:
             process_name(), opened, reconnects, tuple(paths), reconnecting, fallbacks, connecting
         )
 
-    def close_transfer(self, transfer_id: str) -> None:
+    def close_transfer(self, transfer_id: str, linger: float = 2.0) -> None:
+        """Close the transfer's connections (in parallel; ``linger``: see BlockingDilation)."""
         with self._lock:
             keys = [k for k in self._conns if k[0] == transfer_id]
             conns = [self._conns.pop(k) for k in keys]
             for k in keys:
                 self._paired.pop(k, None)
-        for c in conns:
-            _quiet_close(c)
+        closing = [
+            threading.Thread(target=_quiet_close, args=(c, linger), daemon=True) for c in conns
+        ]
+        for t in closing:
+            t.start()
+        for t in closing:
+            t.join()
 
 
 def _quiet_close(conn: Any, linger: float = 2.0) -> None:
@@ -346,29 +458,48 @@ def stream_partition(
     connections = connections or pool()
     opts = spec.options
     lane = lane_of(partition, spec.lanes)
+    tid = spec.transfer_id
+    ended = connections.failure(tid)
+    if ended is not None:
+        raise ended
     deadline = time.monotonic() + opts.lane_start_timeout
     conn = connections.get(spec, lane, deadline)
     try:
         channel = conn.open(PARTITION_SUBPROTOCOL, timeout=opts.lane_start_timeout)
     except BlockingDilationError as e:
-        connections.evict(spec.transfer_id, lane, conn)
-        raise LaneLostError(f"could not open a subchannel to lane {lane}: {e}") from e
+        connections.evict(tid, lane, conn)
+        raise connections.failure(tid) or LaneLostError(
+            f"could not open a subchannel to lane {lane}: {e}"
+        ) from e
+    if not connections._track(tid, channel):
+        channel.close()
+        raise connections.failure(tid) or AssertionError("unreachable")
     try:
         for message in messages:
             channel.send(message, timeout=opts.reconnect_timeout)
         reply = channel.receive(timeout=opts.reconnect_timeout + opts.lane_start_timeout)
     except DilationTimeout as e:
         channel.close()
-        raise LaneLostError(f"lane {lane} did not confirm partition {partition}: {e}") from e
+        raise connections.failure(tid) or LaneLostError(
+            f"lane {lane} did not confirm partition {partition}: {e}"
+        ) from e
     except BlockingDilationError as e:
-        connections.evict(spec.transfer_id, lane, conn)
+        ended = connections.failure(tid)
+        if ended is not None:  # cut by fail(): the connection is still good
+            raise ended from None
+        connections.evict(tid, lane, conn)
         raise LaneLostError(
             f"the connection to lane {lane} failed while sending partition {partition}: {e}"
         ) from e
     except BaseException:
         channel.close()  # no trailer: the lane drops this attempt
         raise
+    finally:
+        connections._untrack(tid, channel)
     channel.close()
+    ended = connections.failure(tid)
+    if ended is not None and reply is not None and reply[:1] == TAG_ERROR:
+        raise ended  # refused because the receiver ended the transfer: say why, once
     return Complete.from_body(_answer(reply, lane, TAG_COMPLETE, f"partition {partition}"))
 
 
@@ -377,6 +508,8 @@ def _answer(reply: bytes | None, lane: int, expected: bytes, what: str) -> dict:
     if reply is None:
         raise LaneLostError(f"lane {lane} closed without confirming {what}")
     tag, body = decode_message(reply)
+    if tag == TAG_ERROR and body.get("ended"):
+        raise TransferAbortedError(str(body.get("error")))  # the receiving side ended it
     if tag == TAG_ERROR:
         raise LaneRefusedError(f"lane {lane} refused {what}: {body.get('error')}")
     if tag != expected:
@@ -390,8 +523,13 @@ def deliver_control(
     *,
     timeout: float,
     connections: ConnectionPool | None = None,
+    lanes: Iterable[int] | None = None,
+    any_lane: bool = False,
 ) -> int:
     """Send the manifest (or an abort) to every lane and wait for each to confirm.
+
+    With ``any_lane`` (a cancel), return as soon as one lane confirmed: the
+    receiver then ends every lane, so the others may never answer.
 
     Returns how many Dilation connections it opened (one per lane, more if a
     lane went away meanwhile), which the transfer report counts.
@@ -420,12 +558,18 @@ def deliver_control(
             connections.evict(spec.transfer_id, lane, conn)
         _answer(reply, lane, TAG_OK, what)
 
+    confirmed = threading.Event()
+
     def one(lane: int) -> None:
         # A lane restarted meanwhile (a new incarnation in a new lobby) gets it again.
         while True:
             try:
-                return once(lane)
+                once(lane)
+                confirmed.set()
+                return
             except LaneLostError as e:
+                if confirmed.is_set() and any_lane:
+                    return
                 if time.monotonic() >= deadline:
                     errors.append(e)
                     return
@@ -435,8 +579,20 @@ def deliver_control(
                 errors.append(e)
                 return
 
-    with ThreadPoolExecutor(max_workers=min(16, spec.lanes)) as ex:
-        list(ex.map(one, range(spec.lanes)))
+    targets = list(range(spec.lanes) if lanes is None else lanes)
+    if any_lane:
+        workers = [threading.Thread(target=one, args=(lane,), daemon=True) for lane in targets]
+        for w in workers:
+            w.start()
+        while not confirmed.is_set() and any(w.is_alive() for w in workers):
+            if time.monotonic() > deadline + 1.0:
+                break
+            confirmed.wait(0.05)
+        if confirmed.is_set():
+            return 0
+        raise errors[0] if errors else LaneLostError(f"no lane confirmed {what} in {timeout:g} s")
+    with ThreadPoolExecutor(max_workers=max(1, min(16, len(targets)))) as ex:
+        list(ex.map(one, targets))
     opened = connections.stats(spec.transfer_id).connections_opened - opened_before
     connections.close_transfer(spec.transfer_id)
     if errors:
@@ -462,14 +618,33 @@ def deliver_abort(
     reason: str,
     timeout: float = 30.0,
     connections: ConnectionPool | None = None,
-) -> None:
-    """Tell every reachable lane the transfer failed (best effort, bounded)."""
+    *,
+    cancelled: bool = False,
+    reached_only: bool = False,
+) -> bool:
+    """Tell every reachable lane the transfer failed or was cancelled (best effort, bounded).
+
+    ``reason``: what failed, or the cause of the cancel (``"Ctrl-C"``). With
+    ``reached_only`` only the lanes ``connections`` is connected to are told
+    (at once: no new rendezvous; the receiver ends every lane when one is
+    aborted), or every lane over new connections if it has none. True if
+    every lane told confirmed.
+    """
+    lanes = None
+    if reached_only and connections is not None:
+        lanes = connections.lanes_connected(spec.transfer_id)
+        if not lanes:
+            lanes, connections = None, None  # a pool of its own: pairs anew
     try:
         deliver_control(
             spec,
-            encode_json(TAG_ABORT, {"reason": reason}),
+            Abort(reason, cancelled).encode(),
             timeout=timeout,
             connections=connections,
+            lanes=lanes,
+            any_lane=lanes is not None,
         )
+        return True
     except (DilationError, TimeoutError) as e:
         log.warning("could not tell every lane about the abort: %s", e)
+        return False

@@ -66,6 +66,12 @@ def _wait(result: Any, timeout: float, what: str) -> Any:
     except crochet.TimeoutError:
         result.cancel()
         raise SessionTimeout(f"{what} did not finish within {timeout:g} s") from None
+    except KeyboardInterrupt:
+        # Ctrl-C: stop it, and claim its error (unclaimed, crochet prints it at exit).
+        result.cancel()
+        with contextlib.suppress(Exception):
+            result.wait(2)
+        raise
 
 
 async def within(d: defer.Deferred, seconds: float, error: Callable[[], BaseException]) -> Any:

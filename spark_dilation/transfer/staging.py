@@ -29,8 +29,7 @@ ERROR_FILE = "error.json"
 
 
 class TransferAbortedError(TransferError):
-    def __init__(self, reason: str) -> None:
-        super().__init__(f"the sender aborted the transfer: {reason}")
+    """The other side ended the whole transfer (its ``A`` message); ``str()`` says who and why."""
 
 
 class CannotHealError(TransferError):
