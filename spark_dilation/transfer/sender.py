@@ -292,8 +292,8 @@ class ConnectionPool:
                 channel = conn.accept(CONTROL_SUBPROTOCOL, timeout=1.0)
             except DilationTimeout:
                 continue
-            except BlockingDilationError:
-                return  # closed (or gone): nothing more to hear on it
+            except DilationError:
+                return  # closed, gone or no path: nothing more to hear on it
             try:
                 with channel:
                     message = channel.receive(timeout=5.0)
