@@ -458,6 +458,28 @@ def _dest_refusal(dest: Path) -> str | None:
     return None
 
 
+def _check_dest_before_code(args: argparse.Namespace, code: str) -> None:
+    """Refuse an unusable dataset folder before the code is claimed, so it stays usable.
+
+    Only for ``-o`` (without it a text needs no folder; the offer's check
+    still refuses a non-empty default folder). With ``--accept-file`` a
+    non-empty ``-o`` folder may be meant for a file (saved inside it): that
+    refusal then waits for the offer, as before.
+    """
+    from .transfer.api import dest_problem
+
+    if not args.output_file:
+        return
+    dest = _dataset_dest(args, code)
+    problem = dest_problem(dest, must_be_empty=not args.accept_file)
+    if problem is not None:
+        full = dest.is_dir() and any(dest.iterdir())
+        hint = " (add --accept-file to save a file inside it)" if full else ""
+        raise TransferOptionError(
+            f"{problem}{hint}; the code was not used, so run receive again with another -o"
+        )
+
+
 @defer.inlineCallbacks
 def receive_session_or_classic(
     reactor: Any, args: argparse.Namespace, out: TextIO, err: TextIO, reporter: Reporter
@@ -489,6 +511,7 @@ def receive_session_or_classic(
         code = args.code
         if not code:
             code = yield threads.deferToThread(_ask_for_code, reactor, w, err)
+        _check_dest_before_code(args, code)
         w.set_code(code)
         yield w.get_verifier()
         versions = yield w.get_versions()
@@ -499,7 +522,8 @@ def receive_session_or_classic(
                 return format_refusal(schema, args.format) or _dest_refusal(dest)
 
             options = _transfer_options(args, lanes=args.lanes)
-            spec = yield defer.ensureDeferred(accept_offer(w, options, check))
+            room = [options.staging_root, dest]
+            spec = yield defer.ensureDeferred(accept_offer(w, options, check, room=room))
             return spec, dest
         # -o NAME renames; -o EXISTING_DIR saves inside it under the offered name.
         output = Path(args.output_file) if args.output_file else None

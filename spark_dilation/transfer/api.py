@@ -21,7 +21,9 @@ from __future__ import annotations
 import contextlib
 import logging
 import math
+import os
 import shutil
+import tempfile
 import threading
 import time
 from collections.abc import Callable, Iterator, Sequence
@@ -36,14 +38,14 @@ import pyarrow.dataset as ds
 import pyarrow.parquet as pq
 
 from ..errors import TransferCancelledError, TransferError
-from .lane import lane_receiver
+from .lane import LaneReceiver, lane_receiver
 from .options import TransferOptions
 from .protocol import CommittedPartition, Manifest
 from .report import Progress, TransferReport, combine_paths
 from .sender import ConnectionPool, LaneLostError, deliver_abort, deliver_manifest, send_partition
 from .session import ReceivedFileResult, SenderSession, receive_session
 from .spec import TransferSpec
-from .staging import LaneStaging, read_staged, rows_of
+from .staging import LaneStaging, os_cause, read_staged, rows_of
 
 log = logging.getLogger(__name__)
 
@@ -157,6 +159,18 @@ def _total_rows(source: pa.Table | pa.RecordBatch | ds.Dataset) -> int | None:
     return None
 
 
+def _total_bytes(source: pa.Table | pa.RecordBatch | ds.Dataset) -> int | None:
+    """An estimate of the data's size: a table's ``nbytes``, the files' sizes; else None."""
+    if isinstance(source, pa.Table | pa.RecordBatch):
+        return source.nbytes
+    if isinstance(source, ds.FileSystemDataset):
+        try:
+            return sum(os.path.getsize(f) for f in source.files)
+        except OSError:
+            return None
+    return None
+
+
 def _partitions(source: Any, min_partitions: int) -> _Partitions:
     if isinstance(source, pa.RecordBatch):
         source = pa.Table.from_batches([source])
@@ -196,8 +210,14 @@ class DatasetSender:
         self._source = (
             source if isinstance(source, pa.Table | pa.RecordBatch) else _as_dataset(source)
         )
+        self._total_rows = _total_rows(self._source)
         self._session = SenderSession.open(
-            self._source.schema, self.options, code=code, code_length=code_length
+            self._source.schema,
+            self.options,
+            code=code,
+            code_length=code_length,
+            rows=self._total_rows,
+            nbytes=_total_bytes(self._source),
         )
         self.code: str = self._session.code
         self._cancelled = threading.Event()
@@ -247,7 +267,7 @@ class DatasetSender:
         parts = _partitions(self._source, spec.lanes)
         parts.makers = self._unless_cancelled(parts.makers)
         connections = ConnectionPool()
-        meter = _SendMeter(spec.transfer_id, connections, _total_rows(self._source), started)
+        meter = _SendMeter(spec.transfer_id, connections, self._total_rows, started)
         ticker = _Ticker(meter.snapshot, on_progress, interval)
         try:
             committed = _send_all(spec, meter.wrap(parts.makers), connections, meter)
@@ -258,8 +278,11 @@ class DatasetSender:
             raise
         ticker.stop()
         stats = connections.stats(spec.transfer_id)
-        manifest, control = deliver_manifest(spec, committed)
-        connections.close_transfer(spec.transfer_id)
+        try:
+            # Answered once the receiver has the data where it asked, or with its error.
+            manifest, control = deliver_manifest(spec, committed)
+        finally:
+            connections.close_transfer(spec.transfer_id)
         return TransferReport(
             rows=manifest.rows,
             bytes=sum(c.bytes for c in committed),
@@ -368,8 +391,12 @@ def _send_all(
     connections: ConnectionPool,
     meter: _SendMeter | None = None,
 ) -> list[CommittedPartition]:
+    failed: list[BaseException] = []  # the first error ends the send: no partition starts after
+
     def one(partition: int) -> CommittedPartition:
         for attempt in range(MAX_ATTEMPTS):
+            if failed:
+                raise failed[0]
             try:
                 committed = send_partition(
                     spec, partition, attempt, makers[partition](), connections=connections
@@ -379,13 +406,20 @@ def _send_all(
                 return committed
             except LaneLostError as e:
                 if attempt + 1 == MAX_ATTEMPTS:
+                    failed.append(e)
                     raise
                 log.info("partition %d: %s; sending it again", partition, e)
+            except BaseException as e:
+                failed.append(e)
+                raise
         raise AssertionError("unreachable")
 
     workers = max(1, min(len(makers), 2 * spec.lanes, 16))
     with ThreadPoolExecutor(max_workers=workers) as ex:
-        return list(ex.map(one, range(len(makers))))
+        futures = [ex.submit(one, p) for p in range(len(makers))]
+    if failed:
+        raise failed[0]  # the first failure, the cause (not whichever partition came first)
+    return [f.result() for f in futures]
 
 
 def send_dataset(
@@ -491,39 +525,156 @@ class _ReceiveMeter:
         )
 
 
-def _wait_lanes(
-    spec: TransferSpec, on_progress: ProgressCallback | None, interval: float
-) -> tuple[list[Manifest], int, int, list[str]]:
-    receivers = [lane_receiver(spec, lane) for lane in range(spec.lanes)]
-    if any(r is None for r in receivers):
+class _Delivery:
+    """The receiver's answer to every lane's final manifest, given once (``before_ok``).
+
+    The lanes' control threads wait here without a deadline of their own: the
+    receiving thread always gives the answer (in ``receive_agreed``'s finally).
+    """
+
+    def __init__(self) -> None:
+        self._given = threading.Event()
+        self._error: str | None = None
+
+    def give(self, error: str | None) -> None:
+        if not self._given.is_set():
+            self._error = error
+            self._given.set()
+
+    def wait(self) -> str | None:
+        self._given.wait()
+        return self._error
+
+
+ANSWER_WAIT = 10.0  # seconds a lane gets to send the manifest's answer before it is stopped
+
+
+def _start_lanes(spec: TransferSpec, delivery: _Delivery) -> list[LaneReceiver]:
+    found = [lane_receiver(spec, lane, delivery.wait) for lane in range(spec.lanes)]
+    receivers = [r for r in found if r is not None]
+    if len(receivers) < len(found):
         for other in receivers:
-            if other is not None:
-                other.stop(linger=0)
+            other.stop(linger=0)
         raise TransferError("another process on this machine is already receiving this transfer")
+    return receivers
+
+
+def _wait_staged(
+    receivers: list[LaneReceiver], on_progress: ProgressCallback | None, interval: float
+) -> None:
+    """Until every lane holds its share (manifest and partitions); a lane's error is raised."""
     ticker = _Ticker(_ReceiveMeter(receivers, time.monotonic()).snapshot, on_progress, interval)
     for r in receivers:
-        assert r is not None
-        error = r.wait_finished()
+        error = r.wait_finished(staged=True)
         if error is not None:
             ticker.stop(final=False)
-            for other in receivers:
-                assert other is not None
-                other.stop(linger=0)
             raise error
     ticker.stop()
-    manifests = []
-    paths = []
-    connections = reconnects = 0
-    for r in receivers:
-        assert r is not None
-        r.stop(linger=0)  # idempotent; records paths and reconnects
-        manifest = r.staging.manifest()
-        assert manifest is not None
-        manifests.append(manifest)
-        connections += r.connections_made
-        reconnects += r.reconnects
-        paths.extend(r.paths)
-    return manifests, connections, reconnects, paths
+
+
+def _answer_text(e: BaseException) -> str:
+    """What the sender is told when this receiver fails after the data was staged."""
+    if isinstance(e, OutputError):
+        return str(e)  # already names the receiver and its folder
+    if isinstance(e, KeyboardInterrupt):
+        return "the receiver was interrupted before the data was written"
+    return f"the receiver failed: {e}"
+
+
+class OutputError(TransferError):
+    """The receiver could not write the data where it was asked (disk full, no permission)."""
+
+
+def dest_problem(dest: Path, *, must_be_empty: bool = False) -> str | None:
+    """Why the dataset cannot be written into ``dest``, or None; checks before a code is used.
+
+    ``dest`` may be absent (made at the end) or a folder (empty, if
+    ``must_be_empty``); its parent must be writable for the hidden temporary
+    folder the files are written into first.
+    """
+    if dest.exists() and not dest.is_dir():
+        return f"cannot write the dataset into {dest}: it exists and is not a folder"
+    if must_be_empty and dest.is_dir() and any(dest.iterdir()):
+        return f"cannot write the dataset into {dest}: it exists and is not empty"
+    folders = [_existing(dest.parent)] + ([dest] if dest.is_dir() else [])
+    for folder in folders:
+        try:
+            os.rmdir(tempfile.mkdtemp(prefix=".spark-dilation-check-", dir=folder))
+        except OSError as e:
+            return f"cannot write the dataset into {dest}: {folder} is not writable ({os_cause(e)})"
+    return None
+
+
+def _existing(path: Path) -> Path:
+    path = Path(os.path.abspath(path))
+    while not path.exists() and path != path.parent:
+        path = path.parent
+    return path
+
+
+def _write_part(target: Path, src: Path, schema: pa.Schema, format: str) -> None:
+    if format == "arrow":  # the IPC file format (what .arrow/Feather v2 readers take)
+        with pa.ipc.new_file(target, schema) as writer:
+            for b in read_staged(src):
+                writer.write_batch(b)
+    elif format == "csv":
+        with pacsv.CSVWriter(target, schema) as writer:
+            for b in read_staged(src):
+                writer.write_batch(b)
+    else:
+        with pq.ParquetWriter(target, schema) as writer:
+            for b in read_staged(src):
+                writer.write_batch(b)
+
+
+def _write_files(
+    spec: TransferSpec,
+    partitions: list[CommittedPartition],
+    staging: dict[int, LaneStaging],
+    out: Path,
+    format: str,
+) -> list[Path]:
+    """Write the files into a hidden folder next to ``out``, then move them into ``out``.
+
+    ``out`` appears only complete: renamed from the hidden folder if absent,
+    or given the files if it is a folder. On any failure the hidden folder
+    goes and the error names the file and the cause.
+    """
+    partial = out.parent / f".{out.name}.spark-dilation-{spec.transfer_id[:12]}.partial"
+
+    def failed(what: str, e: BaseException) -> OutputError:
+        return OutputError(f"the receiver could not write {what} into {out}: {os_cause(e)}")
+
+    try:
+        out.parent.mkdir(parents=True, exist_ok=True)
+        partial.mkdir()
+    except OSError as e:
+        raise failed(f"its temporary folder {partial.name}", e) from e
+    try:
+        names: list[str] = []
+        for c in partitions:
+            name = f"part-{c.partition:05d}.{format}"
+            try:
+                _write_part(partial / name, staging[c.lane].complete_path(c.partition),
+                            spec.schema, format)  # fmt: skip
+            except (OSError, pa.ArrowException) as e:
+                raise failed(name, e) from e
+            names.append(name)
+        try:
+            if out.is_dir():  # an existing folder (empty, for the CLI): the files go in
+                for name in names:
+                    os.replace(partial / name, out / name)
+                partial.rmdir()
+            else:
+                os.rename(partial, out)
+        except OSError as e:
+            raise OutputError(
+                f"the receiver could not move its files into {out}: {os_cause(e)}"
+            ) from e
+    except BaseException:
+        shutil.rmtree(partial, ignore_errors=True)
+        raise
+    return [out / name for name in names]
 
 
 def receive_dataset(
@@ -542,12 +693,24 @@ def receive_dataset(
     ``part-NNNNN``. The whole transfer runs in this process with ``lanes``
     parallel lanes. ``on_progress`` gets :class:`Progress` snapshots of what
     is staged, every half second and once at the end (``done=True``).
+
+    The sender succeeds only once the data is here (the table built, or the
+    files in ``dest``); if that fails, it gets this side's error. ``dest`` is
+    written through a hidden folder next to it and appears only complete; it
+    is checked before the code is used, and an offer whose size clearly does
+    not fit the staging folder or ``dest`` is refused.
     """
     opts = _options(options, overrides)
     if format not in RECEIVE_FORMATS:
         raise TransferError(f"format={format!r}: choose {', '.join(RECEIVE_FORMATS)}")
+    room = [opts.staging_root]
+    if dest is not None:
+        problem = dest_problem(Path(dest))
+        if problem is not None:
+            raise TransferError(problem)
+        room.append(Path(dest))
     started = time.monotonic()
-    spec = receive_session(code, opts, accept_file=False)
+    spec = receive_session(code, opts, accept_file=False, room=room)
     assert not isinstance(spec, ReceivedFileResult)
     return receive_agreed(spec, dest, format=format, on_progress=on_progress, started=started)
 
@@ -565,64 +728,73 @@ def receive_agreed(
 
     For callers that run the session themselves (the CLI, which also takes
     files and texts from the same code; see :func:`.session.accept_offer`).
+    The lanes answer the final manifest only once the data is in its place
+    (or with this side's error); the transfer's staging is removed either way.
     """
     opts = spec.options
     refusal = format_refusal(spec.schema, format) if dest is not None else None
     if refusal is not None:
         raise TransferError(refusal)
     started = time.monotonic() if started is None else started
-    manifests, connections, reconnects, paths = _wait_lanes(spec, on_progress, interval)
-    partitions = sorted(
-        (c for lane, m in enumerate(manifests) for c in m.for_lane(lane)),
-        key=lambda c: c.partition,
-    )
-    staging = {
-        lane: LaneStaging(opts.staging_root, spec.transfer_id, lane) for lane in range(spec.lanes)
-    }
-    result = ReceivedDataset(
+    delivery = _Delivery()
+    receivers = _start_lanes(spec, delivery)  # the transfer's staging is ours from here
+    try:
+        try:
+            _wait_staged(receivers, on_progress, interval)
+            staging = {r.lane: r.staging for r in receivers}
+            partitions = sorted(
+                (c for r in receivers for c in _manifest(r).for_lane(r.lane)),
+                key=lambda c: c.partition,
+            )
+            table: pa.Table | None = None
+            files: list[Path] = []
+            if dest is None:
+                batches = [
+                    b
+                    for c in partitions
+                    for b in read_staged(staging[c.lane].complete_path(c.partition))
+                ]
+                table = pa.Table.from_batches(batches, schema=spec.schema)
+            else:
+                files = _write_files(spec, partitions, staging, Path(dest), format)
+        except BaseException as e:
+            delivery.give(_answer_text(e))
+            raise
+        delivery.give(None)  # now the lanes answer "K": the data is where it was asked
+        for r in receivers:
+            error = r.wait_finished(timeout=ANSWER_WAIT)
+            if error is not None:
+                raise error
+    finally:
+        for r in receivers:
+            if r.staged:  # let its answer go out before its connections close
+                r.wait_finished(timeout=ANSWER_WAIT)
+            r.stop(linger=0)  # idempotent; records paths and reconnects
+        for r in receivers:
+            r.join_lobby()
+        shutil.rmtree(opts.staging_root / spec.transfer_id, ignore_errors=True)
+    return ReceivedDataset(
         TransferReport(
             rows=sum(c.rows for c in partitions),
             bytes=sum(c.bytes for c in partitions),
             partitions=len(partitions),
             lanes=spec.lanes,
-            connections=connections,
-            reconnects=reconnects,
-            path=combine_paths(paths),
+            connections=sum(r.connections_made for r in receivers),
+            reconnects=sum(r.reconnects for r in receivers),
+            path=combine_paths([p for r in receivers for p in r.paths]),
             seconds=time.monotonic() - started,
             compression=spec.compression,
         ),
         spec.schema,
+        table,
+        files,
     )
-    try:
-        if dest is None:
-            batches = [
-                b
-                for c in partitions
-                for b in read_staged(staging[c.lane].complete_path(c.partition))
-            ]
-            result.table = pa.Table.from_batches(batches, schema=spec.schema)
-        else:
-            out = Path(dest)
-            out.mkdir(parents=True, exist_ok=True)
-            for c in partitions:
-                src = staging[c.lane].complete_path(c.partition)
-                target = out / f"part-{c.partition:05d}.{format}"
-                if format == "arrow":  # the IPC file format (what .arrow/Feather v2 readers take)
-                    with pa.ipc.new_file(target, spec.schema) as writer:
-                        for b in read_staged(src):
-                            writer.write_batch(b)
-                elif format == "csv":
-                    with pacsv.CSVWriter(target, spec.schema) as writer:
-                        for b in read_staged(src):
-                            writer.write_batch(b)
-                else:
-                    with pq.ParquetWriter(target, spec.schema) as writer:
-                        for b in read_staged(src):
-                            writer.write_batch(b)
-                result.files.append(target)
-    finally:
-        shutil.rmtree(opts.staging_root / spec.transfer_id, ignore_errors=True)
-    return result
+
+
+def _manifest(receiver: LaneReceiver) -> Manifest:
+    manifest = receiver.book.manifest
+    assert manifest is not None  # staged: the manifest came
+    return manifest
 
 
 def receive_table(code: str, **overrides: Any) -> pa.Table:

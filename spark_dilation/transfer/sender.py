@@ -35,6 +35,7 @@ from .partition import (
     LaneNotStartedError,
     LaneRefusedError,
     PartitionStream,
+    ReceiverFailedError,
 )
 from .protocol import (
     CONTROL_SUBPROTOCOL,
@@ -64,6 +65,7 @@ __all__ = [
     "LaneLostError",
     "LaneNotStartedError",
     "LaneRefusedError",
+    "ReceiverFailedError",
     "deliver_abort",
     "deliver_control",
     "deliver_manifest",
@@ -231,6 +233,10 @@ def stream_partition(
         channel.close()
         raise LaneLostError(f"lane {lane} did not confirm partition {partition}: {e}") from e
     except BlockingDilationError as e:
+        early = _early_answer(channel)
+        if early is not None:  # the lane refused mid-stream and closed: its reason
+            channel.close()
+            _answer(early, lane, TAG_COMPLETE, f"partition {partition}")
         connections.evict(spec.transfer_id, lane, conn)
         raise LaneLostError(
             f"the connection to lane {lane} failed while sending partition {partition}: {e}"
@@ -242,11 +248,22 @@ def stream_partition(
     return Complete.from_body(_answer(reply, lane, TAG_COMPLETE, f"partition {partition}"))
 
 
+def _early_answer(channel: Any) -> bytes | None:
+    """An ``E`` the lane sent before closing the subchannel under our sends, if any."""
+    try:
+        reply = channel.receive(timeout=0)
+    except BlockingDilationError:
+        return None
+    return reply if reply is not None and reply[:1] == TAG_ERROR else None
+
+
 def _answer(reply: bytes | None, lane: int, expected: bytes, what: str) -> dict:
     """The body of the lane's answer about ``what`` if it is ``expected``; else the error."""
     if reply is None:
         raise LaneLostError(f"lane {lane} closed without confirming {what}")
     tag, body = decode_message(reply)
+    if tag == TAG_ERROR and body.get("failed"):
+        raise ReceiverFailedError(str(body.get("error")))
     if tag == TAG_ERROR:
         raise LaneRefusedError(f"lane {lane} refused {what}: {body.get('error')}")
     if tag != expected:
