@@ -461,8 +461,9 @@ def _dest_refusal(dest: Path) -> str | None:
 def _check_dest_before_code(args: argparse.Namespace, code: str) -> None:
     """Refuse an unusable dataset folder before the code is claimed, so it stays usable.
 
-    Only for ``-o`` (without it a text needs no folder; the offer's check
-    still refuses a non-empty default folder). With ``--accept-file`` a
+    Only for ``-o`` naming no existing file (without it a text needs no
+    folder; the offer's check still refuses a non-empty default folder or an
+    existing file, and tells the sender). With ``--accept-file`` a
     non-empty ``-o`` folder may be meant for a file (saved inside it): that
     refusal then waits for the offer, as before.
     """
@@ -471,6 +472,8 @@ def _check_dest_before_code(args: argparse.Namespace, code: str) -> None:
     if not args.output_file:
         return
     dest = _dataset_dest(args, code)
+    if dest.exists() and not dest.is_dir():
+        return  # an existing file: both offers refuse it (never overwritten), telling the sender
     problem = dest_problem(dest, must_be_empty=not args.accept_file)
     if problem is not None:
         full = dest.is_dir() and any(dest.iterdir())
