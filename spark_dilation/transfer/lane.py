@@ -20,6 +20,15 @@ files. Lane states (``docs/transfer.md`` has the diagram)::
     STARTING -> RECEIVING (lobby open) -> DONE (manifest + every partition staged)
     RECEIVING -> ABORTED (the sender's abort) | FAILED (a partition lost with an
     earlier incarnation: cannot heal)
+    RECEIVING -> FAILING (a partition could not be staged: disk full, ...; that
+    stream, every later one and the manifest get "E" with the cause) -> FAILED
+    with that cause at the sender's abort (or the manifest)
+
+An in-process receiver (the Python API, the CLI) passes ``before_ok``: the
+lane answers the final manifest only once the receiver has put the data where
+it was asked ("K"), or with the receiver's error ("E"), so a sender's success
+means the data arrived. Spark's lanes answer once staged: the staged lane is
+what the reading application reads.
 """
 
 from __future__ import annotations
