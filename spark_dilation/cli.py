@@ -579,6 +579,31 @@ def _dest_refusal(dest: Path) -> str | None:
     return None
 
 
+def _check_dest_before_code(args: argparse.Namespace, code: str) -> None:
+    """Refuse an unusable dataset folder before the code is claimed, so it stays usable.
+
+    Only for ``-o`` naming no existing file (without it a text needs no
+    folder; the offer's check still refuses a non-empty default folder or an
+    existing file, and tells the sender). With ``--accept-file`` a
+    non-empty ``-o`` folder may be meant for a file (saved inside it): that
+    refusal then waits for the offer, as before.
+    """
+    from .transfer.api import dest_problem
+
+    if not args.output_file:
+        return
+    dest = _dataset_dest(args, code)
+    if dest.exists() and not dest.is_dir():
+        return  # an existing file: both offers refuse it (never overwritten), telling the sender
+    problem = dest_problem(dest, must_be_empty=not args.accept_file)
+    if problem is not None:
+        full = dest.is_dir() and any(dest.iterdir())
+        hint = " (add --accept-file to save a file inside it)" if full else ""
+        raise TransferOptionError(
+            f"{problem}{hint}; the code was not used, so run receive again with another -o"
+        )
+
+
 @defer.inlineCallbacks
 def receive_session_or_classic(
     reactor: Any, args: argparse.Namespace, out: TextIO, err: TextIO, reporter: Reporter
@@ -610,6 +635,7 @@ def receive_session_or_classic(
         code = args.code
         if not code:
             code = yield _in_daemon_thread(reactor, _ask_for_code, reactor, w, err)
+        _check_dest_before_code(args, code)
         w.set_code(code)
         yield w.get_verifier()
         versions = yield w.get_versions()
@@ -620,7 +646,8 @@ def receive_session_or_classic(
                 return format_refusal(schema, args.format) or _dest_refusal(dest)
 
             options = _transfer_options(args, lanes=args.lanes)
-            spec = yield defer.ensureDeferred(accept_offer(w, options, check))
+            room = [options.staging_root, dest]
+            spec = yield defer.ensureDeferred(accept_offer(w, options, check, room=room))
             return spec, dest
         # -o NAME renames; -o EXISTING_DIR saves inside it under the offered name.
         output = Path(args.output_file) if args.output_file else None

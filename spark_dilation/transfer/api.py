@@ -21,7 +21,9 @@ from __future__ import annotations
 import contextlib
 import logging
 import math
+import os
 import shutil
+import tempfile
 import threading
 import time
 from collections.abc import Callable, Iterator, Sequence
@@ -37,14 +39,14 @@ import pyarrow.parquet as pq
 
 from ..dilation.manager import DilationNoPath
 from ..errors import Interrupted, TransferCancelledError, TransferError, interrupt_cause
-from .lane import lane_receiver
+from .lane import LaneReceiver, lane_receiver
 from .options import TransferOptions
 from .protocol import Abort, CommittedPartition, Manifest
 from .report import Progress, TransferReport, combine_paths
 from .sender import ConnectionPool, LaneLostError, deliver_abort, deliver_manifest, send_partition
 from .session import ReceivedFileResult, SenderSession, receive_session
 from .spec import TransferSpec
-from .staging import LaneStaging, read_staged, rows_of
+from .staging import LaneStaging, os_cause, read_staged, rows_of
 
 log = logging.getLogger(__name__)
 
@@ -162,6 +164,18 @@ def _total_rows(source: pa.Table | pa.RecordBatch | ds.Dataset) -> int | None:
     return None
 
 
+def _total_bytes(source: pa.Table | pa.RecordBatch | ds.Dataset) -> int | None:
+    """An estimate of the data's size: a table's ``nbytes``, the files' sizes; else None."""
+    if isinstance(source, pa.Table | pa.RecordBatch):
+        return source.nbytes
+    if isinstance(source, ds.FileSystemDataset):
+        try:
+            return sum(os.path.getsize(f) for f in source.files)
+        except OSError:
+            return None
+    return None
+
+
 def _partitions(source: Any, min_partitions: int) -> _Partitions:
     if isinstance(source, pa.RecordBatch):
         source = pa.Table.from_batches([source])
@@ -201,8 +215,14 @@ class DatasetSender:
         self._source = (
             source if isinstance(source, pa.Table | pa.RecordBatch) else _as_dataset(source)
         )
+        self._total_rows = _total_rows(self._source)
         self._session = SenderSession.open(
-            self._source.schema, self.options, code=code, code_length=code_length
+            self._source.schema,
+            self.options,
+            code=code,
+            code_length=code_length,
+            rows=self._total_rows,
+            nbytes=_total_bytes(self._source),
         )
         self.code: str = self._session.code
         self._cancelled = threading.Event()
@@ -271,7 +291,7 @@ class DatasetSender:
             self._under_way = (spec.transfer_id, connections)
         if self._cancelled.is_set():  # cancel() came just before
             connections.fail(spec.transfer_id, self._cancelled_error())
-        meter = _SendMeter(spec.transfer_id, connections, _total_rows(self._source), started)
+        meter = _SendMeter(spec.transfer_id, connections, self._total_rows, started)
         ticker = _Ticker(meter.snapshot, on_progress, interval)
         try:
             committed = _send_all(spec, meter.wrap(parts.makers), connections, meter)
@@ -287,8 +307,11 @@ class DatasetSender:
             raise ended from e
         ticker.stop()
         stats = connections.stats(spec.transfer_id)
-        manifest, control = deliver_manifest(spec, committed)
-        connections.close_transfer(spec.transfer_id)
+        try:
+            # Answered once the receiver has the data where it asked, or with its error.
+            manifest, control = deliver_manifest(spec, committed)
+        finally:
+            connections.close_transfer(spec.transfer_id)
         return TransferReport(
             rows=manifest.rows,
             bytes=sum(c.bytes for c in committed),
@@ -424,8 +447,12 @@ def _send_all(
     connections: ConnectionPool,
     meter: _SendMeter | None = None,
 ) -> list[CommittedPartition]:
+    failed: list[BaseException] = []  # the first error ends the send: no partition starts after
+
     def one(partition: int) -> CommittedPartition:
         for attempt in range(MAX_ATTEMPTS):
+            if failed:
+                raise failed[0]
             try:
                 committed = send_partition(
                     spec, partition, attempt, makers[partition](), connections=connections
@@ -435,8 +462,12 @@ def _send_all(
                 return committed
             except LaneLostError as e:
                 if attempt + 1 == MAX_ATTEMPTS:
+                    failed.append(e)
                     raise
                 log.info("partition %d: %s; sending it again", partition, e)
+            except BaseException as e:
+                failed.append(e)
+                raise
         raise AssertionError("unreachable")
 
     workers = max(1, min(len(makers), 2 * spec.lanes, 16))
@@ -444,9 +475,9 @@ def _send_all(
     futures = [ex.submit(one, p) for p in range(len(makers))]
     try:
         wait(futures, return_when=FIRST_EXCEPTION)
-        failed = [f.exception() for f in futures if f.done() and f.exception() is not None]
         if failed:
-            # The first failure ends the transfer: the other partitions stop at once.
+            # The first failure ends the transfer (the cause, not whichever partition
+            # came first): the other partitions stop at once.
             connections.fail(spec.transfer_id, failed[0])
             raise failed[0]
     except KeyboardInterrupt as e:
@@ -563,47 +594,170 @@ class _ReceiveMeter:
         )
 
 
-def _wait_lanes(
-    spec: TransferSpec, on_progress: ProgressCallback | None, interval: float
-) -> tuple[list[Manifest], int, int, list[str]]:
-    receivers = [lane_receiver(spec, lane) for lane in range(spec.lanes)]
-    if any(r is None for r in receivers):
+class _Delivery:
+    """The receiver's answer to every lane's final manifest, given once (``before_ok``).
+
+    The lanes' control threads wait here without a deadline of their own: the
+    receiving thread always gives the answer (in ``receive_agreed``'s finally).
+    """
+
+    def __init__(self) -> None:
+        self._given = threading.Event()
+        self._error: str | None = None
+
+    def give(self, error: str | None) -> None:
+        if not self._given.is_set():
+            self._error = error
+            self._given.set()
+
+    def wait(self) -> str | None:
+        self._given.wait()
+        return self._error
+
+
+ANSWER_WAIT = 10.0  # seconds a lane gets to send the manifest's answer before it is stopped
+
+
+def _start_lanes(spec: TransferSpec, delivery: _Delivery) -> list[LaneReceiver]:
+    found = [lane_receiver(spec, lane, delivery.wait) for lane in range(spec.lanes)]
+    receivers = [r for r in found if r is not None]
+    if len(receivers) < len(found):
         for other in receivers:
-            if other is not None:
-                other.stop(linger=0)
+            other.stop(linger=0)
         raise TransferError("another process on this machine is already receiving this transfer")
-    live = [r for r in receivers if r is not None]
-    ticker = _Ticker(_ReceiveMeter(live, time.monotonic()).snapshot, on_progress, interval)
+    return receivers
+
+
+def _wait_staged(
+    receivers: list[LaneReceiver], on_progress: ProgressCallback | None, interval: float
+) -> None:
+    """Until every lane holds its share (manifest and partitions).
+
+    Any lane's error ends the wait (a lane the sender aborted, though others
+    still wait); Ctrl-C tells the sender through every lane, then raises
+    :class:`Interrupted` with whether it was told.
+    """
+    ticker = _Ticker(_ReceiveMeter(receivers, time.monotonic()).snapshot, on_progress, interval)
     try:
-        # Any lane's error ends the receive (a lane the sender aborted, though others wait).
         while True:
-            error = next((r.error for r in live if r.error is not None), None)
-            pending = [r for r in live if not r.finished]
+            error = next((r.error for r in receivers if r.error is not None), None)
+            pending = [r for r in receivers if not (r.finished or r.staged)]
             if error is not None or not pending:
                 break
-            pending[0].wait_finished(timeout=0.25)
+            pending[0].wait_finished(staged=True, timeout=0.25)
     except KeyboardInterrupt as e:
         ticker.stop(final=False)
-        raise Interrupted(interrupt_cause(e), _tell_sender(live, interrupt_cause(e))) from None
+        cause = interrupt_cause(e)
+        raise Interrupted(cause, _tell_sender(receivers, cause)) from None
     if error is not None:
         ticker.stop(final=False)
-        for other in live:
-            other.stop(linger=0)
         raise error
     ticker.stop()
-    manifests = []
-    paths = []
-    connections = reconnects = 0
-    for r in receivers:
-        assert r is not None
-        r.stop(linger=0)  # idempotent; records paths and reconnects
-        manifest = r.staging.manifest()
-        assert manifest is not None
-        manifests.append(manifest)
-        connections += r.connections_made
-        reconnects += r.reconnects
-        paths.extend(r.paths)
-    return manifests, connections, reconnects, paths
+
+
+def _answer_text(e: BaseException) -> str:
+    """What the sender is told when this receiver fails after the data was staged."""
+    if isinstance(e, OutputError):
+        return str(e)  # already names the receiver and its folder
+    if isinstance(e, KeyboardInterrupt):
+        return Abort(interrupt_cause(e), cancelled=True).text("receiver")
+    return f"the receiver failed: {e}"
+
+
+class OutputError(TransferError):
+    """The receiver could not write the data where it was asked (disk full, no permission)."""
+
+
+def dest_problem(dest: Path, *, must_be_empty: bool = False) -> str | None:
+    """Why the dataset cannot be written into ``dest``, or None; checks before a code is used.
+
+    ``dest`` may be absent (made at the end) or a folder (empty, if
+    ``must_be_empty``); its parent must be writable for the hidden temporary
+    folder the files are written into first.
+    """
+    if dest.exists() and not dest.is_dir():
+        return f"cannot write the dataset into {dest}: it exists and is not a folder"
+    if must_be_empty and dest.is_dir() and any(dest.iterdir()):
+        return f"cannot write the dataset into {dest}: it exists and is not empty"
+    folders = [_existing(dest.parent)] + ([dest] if dest.is_dir() else [])
+    for folder in folders:
+        try:
+            os.rmdir(tempfile.mkdtemp(prefix=".spark-dilation-check-", dir=folder))
+        except OSError as e:
+            return f"cannot write the dataset into {dest}: {folder} is not writable ({os_cause(e)})"
+    return None
+
+
+def _existing(path: Path) -> Path:
+    path = Path(os.path.abspath(path))
+    while not path.exists() and path != path.parent:
+        path = path.parent
+    return path
+
+
+def _write_part(target: Path, src: Path, schema: pa.Schema, format: str) -> None:
+    if format == "arrow":  # the IPC file format (what .arrow/Feather v2 readers take)
+        with pa.ipc.new_file(target, schema) as writer:
+            for b in read_staged(src):
+                writer.write_batch(b)
+    elif format == "csv":
+        with pacsv.CSVWriter(target, schema) as writer:
+            for b in read_staged(src):
+                writer.write_batch(b)
+    else:
+        with pq.ParquetWriter(target, schema) as writer:
+            for b in read_staged(src):
+                writer.write_batch(b)
+
+
+def _write_files(
+    spec: TransferSpec,
+    partitions: list[CommittedPartition],
+    staging: dict[int, LaneStaging],
+    out: Path,
+    format: str,
+) -> list[Path]:
+    """Write the files into a hidden folder next to ``out``, then move them into ``out``.
+
+    ``out`` appears only complete: renamed from the hidden folder if absent,
+    or given the files if it is a folder. On any failure the hidden folder
+    goes and the error names the file and the cause.
+    """
+    partial = out.parent / f".{out.name}.spark-dilation-{spec.transfer_id[:12]}.partial"
+
+    def failed(what: str, e: BaseException) -> OutputError:
+        return OutputError(f"the receiver could not write {what} into {out}: {os_cause(e)}")
+
+    try:
+        out.parent.mkdir(parents=True, exist_ok=True)
+        partial.mkdir()
+    except OSError as e:
+        raise failed(f"its temporary folder {partial.name}", e) from e
+    try:
+        names: list[str] = []
+        for c in partitions:
+            name = f"part-{c.partition:05d}.{format}"
+            try:
+                _write_part(partial / name, staging[c.lane].complete_path(c.partition),
+                            spec.schema, format)  # fmt: skip
+            except (OSError, pa.ArrowException) as e:
+                raise failed(name, e) from e
+            names.append(name)
+        try:
+            if out.is_dir():  # an existing folder (empty, for the CLI): the files go in
+                for name in names:
+                    os.replace(partial / name, out / name)
+                partial.rmdir()
+            else:
+                os.rename(partial, out)
+        except OSError as e:
+            raise OutputError(
+                f"the receiver could not move its files into {out}: {os_cause(e)}"
+            ) from e
+    except BaseException:
+        shutil.rmtree(partial, ignore_errors=True)
+        raise
+    return [out / name for name in names]
 
 
 def _tell_sender(receivers: list[Any], cause: str) -> str:
@@ -647,12 +801,24 @@ def receive_dataset(
     ``part-NNNNN``. The whole transfer runs in this process with ``lanes``
     parallel lanes. ``on_progress`` gets :class:`Progress` snapshots of what
     is staged, every half second and once at the end (``done=True``).
+
+    The sender succeeds only once the data is here (the table built, or the
+    files in ``dest``); if that fails, it gets this side's error. ``dest`` is
+    written through a hidden folder next to it and appears only complete; it
+    is checked before the code is used, and an offer whose size clearly does
+    not fit the staging folder or ``dest`` is refused.
     """
     opts = _options(options, overrides)
     if format not in RECEIVE_FORMATS:
         raise TransferError(f"format={format!r}: choose {', '.join(RECEIVE_FORMATS)}")
+    room = [opts.staging_root]
+    if dest is not None:
+        problem = dest_problem(Path(dest))
+        if problem is not None:
+            raise TransferError(problem)
+        room.append(Path(dest))
     started = time.monotonic()
-    spec = receive_session(code, opts, accept_file=False)
+    spec = receive_session(code, opts, accept_file=False, room=room)
     assert not isinstance(spec, ReceivedFileResult)
     return receive_agreed(spec, dest, format=format, on_progress=on_progress, started=started)
 
@@ -670,78 +836,75 @@ def receive_agreed(
 
     For callers that run the session themselves (the CLI, which also takes
     files and texts from the same code; see :func:`.session.accept_offer`).
+    The lanes answer the final manifest only once the data is in its place
+    (or with this side's error); the transfer's staging is removed either way.
     """
     opts = spec.options
     refusal = format_refusal(spec.schema, format) if dest is not None else None
     if refusal is not None:
         raise TransferError(refusal)
     started = time.monotonic() if started is None else started
-    out = None if dest is None else Path(dest)
-    made_dest = out is not None and not out.exists()
-    result: ReceivedDataset | None = None
+    delivery = _Delivery()
+    receivers = _start_lanes(spec, delivery)  # the transfer's staging is ours from here
     try:
-        manifests, connections, reconnects, paths = _wait_lanes(spec, on_progress, interval)
-        partitions = sorted(
-            (c for lane, m in enumerate(manifests) for c in m.for_lane(lane)),
-            key=lambda c: c.partition,
-        )
-        staging = {
-            lane: LaneStaging(opts.staging_root, spec.transfer_id, lane)
-            for lane in range(spec.lanes)
-        }
-        result = ReceivedDataset(
-            TransferReport(
-                rows=sum(c.rows for c in partitions),
-                bytes=sum(c.bytes for c in partitions),
-                partitions=len(partitions),
-                lanes=spec.lanes,
-                connections=connections,
-                reconnects=reconnects,
-                path=combine_paths(paths),
-                seconds=time.monotonic() - started,
-                compression=spec.compression,
-            ),
-            spec.schema,
-        )
-        if out is None:
-            batches = [
-                b
-                for c in partitions
-                for b in read_staged(staging[c.lane].complete_path(c.partition))
-            ]
-            result.table = pa.Table.from_batches(batches, schema=spec.schema)
-        else:
-            out.mkdir(parents=True, exist_ok=True)
-            for c in partitions:
-                src = staging[c.lane].complete_path(c.partition)
-                target = out / f"part-{c.partition:05d}.{format}"
-                result.files.append(target)
-                if format == "arrow":  # the IPC file format (what .arrow/Feather v2 readers take)
-                    with pa.ipc.new_file(target, spec.schema) as writer:
-                        for b in read_staged(src):
-                            writer.write_batch(b)
-                elif format == "csv":
-                    with pacsv.CSVWriter(target, spec.schema) as writer:
-                        for b in read_staged(src):
-                            writer.write_batch(b)
-                else:
-                    with pq.ParquetWriter(target, spec.schema) as writer:
-                        for b in read_staged(src):
-                            writer.write_batch(b)
-    except BaseException as e:
-        # Nothing half-written stays behind (a cancel, a failure).
-        if out is not None and made_dest:
-            shutil.rmtree(out, ignore_errors=True)
-        elif result is not None:
-            for f in result.files:
-                f.unlink(missing_ok=True)
-        if isinstance(e, KeyboardInterrupt) and not isinstance(e, Interrupted):
-            kept = "the dataset had arrived; nothing was kept"
-            raise Interrupted(interrupt_cause(e), kept) from None
-        raise
+        try:
+            _wait_staged(receivers, on_progress, interval)
+            staging = {r.lane: r.staging for r in receivers}
+            partitions = sorted(
+                (c for r in receivers for c in _manifest(r).for_lane(r.lane)),
+                key=lambda c: c.partition,
+            )
+            table: pa.Table | None = None
+            files: list[Path] = []
+            if dest is None:
+                batches = [
+                    b
+                    for c in partitions
+                    for b in read_staged(staging[c.lane].complete_path(c.partition))
+                ]
+                table = pa.Table.from_batches(batches, schema=spec.schema)
+            else:
+                files = _write_files(spec, partitions, staging, Path(dest), format)
+        except BaseException as e:
+            delivery.give(_answer_text(e))  # the lanes answer the manifest with it
+            if isinstance(e, KeyboardInterrupt) and not isinstance(e, Interrupted):
+                raise Interrupted(interrupt_cause(e), "the sender was told") from None
+            raise
+        delivery.give(None)  # now the lanes answer "K": the data is where it was asked
+        for r in receivers:
+            error = r.wait_finished(timeout=ANSWER_WAIT)
+            if error is not None:
+                raise error
     finally:
+        for r in receivers:
+            if r.staged:  # let its answer go out before its connections close
+                r.wait_finished(timeout=ANSWER_WAIT)
+            r.stop(linger=0)  # idempotent; records paths and reconnects
+        for r in receivers:
+            r.join_lobby()
         shutil.rmtree(opts.staging_root / spec.transfer_id, ignore_errors=True)
-    return result
+    return ReceivedDataset(
+        TransferReport(
+            rows=sum(c.rows for c in partitions),
+            bytes=sum(c.bytes for c in partitions),
+            partitions=len(partitions),
+            lanes=spec.lanes,
+            connections=sum(r.connections_made for r in receivers),
+            reconnects=sum(r.reconnects for r in receivers),
+            path=combine_paths([p for r in receivers for p in r.paths]),
+            seconds=time.monotonic() - started,
+            compression=spec.compression,
+        ),
+        spec.schema,
+        table,
+        files,
+    )
+
+
+def _manifest(receiver: LaneReceiver) -> Manifest:
+    manifest = receiver.book.manifest
+    assert manifest is not None  # staged: the manifest came
+    return manifest
 
 
 def receive_table(code: str, **overrides: Any) -> pa.Table:

@@ -21,6 +21,15 @@ files. Lane states (``docs/transfer.md`` has the diagram)::
     RECEIVING -> ABORTED (the sender's abort, or the receiving side ended it:
     :meth:`LaneReceiver.end_transfer` tells the senders) | FAILED (a partition
     lost with an earlier incarnation: cannot heal)
+    RECEIVING -> FAILING (a partition could not be staged: disk full, ...; that
+    stream, every later one and the manifest get "E" with the cause) -> FAILED
+    with that cause at the sender's abort (or the manifest)
+
+An in-process receiver (the Python API, the CLI) passes ``before_ok``: the
+lane answers the final manifest only once the receiver has put the data where
+it was asked ("K"), or with the receiver's error ("E"), so a sender's success
+means the data arrived. Spark's lanes answer once staged: the staged lane is
+what the reading application reads.
 """
 
 from __future__ import annotations
@@ -31,6 +40,7 @@ import os
 import threading
 import time
 import uuid
+from collections.abc import Callable
 from typing import Any
 
 import crochet
@@ -59,6 +69,7 @@ from .protocol import (
     Trailer,
     decode_message,
     encode_json,
+    failure_answer,
 )
 from .rendezvous import RendezvousCancelled, dilate_paired, pair
 from .report import is_connecting, is_reconnecting, path_of, reconnects_of
@@ -67,8 +78,10 @@ from .staging import (
     CannotHealError,
     LaneIdleError,
     LaneStaging,
+    StagingError,
     TransferAbortedError,
     rows_of,
+    staging_error,
     take_lane_lock,
 )
 
@@ -80,10 +93,21 @@ log = logging.getLogger(__name__)
 LOBBY_STOP_WAIT = 10.0
 
 
+class DeliveryError(TransferError):
+    """The receiver could not put the data where it was asked (``before_ok``'s answer)."""
+
+
 class LaneReceiver:
     """The background receiver of one lane in this process (see the module docstring)."""
 
-    def __init__(self, spec: TransferSpec, lane: int, staging: LaneStaging, lock_fd: int) -> None:
+    def __init__(
+        self,
+        spec: TransferSpec,
+        lane: int,
+        staging: LaneStaging,
+        lock_fd: int,
+        before_ok: Callable[[], str | None] | None = None,
+    ) -> None:
         self.spec = spec
         self.lane = lane
         self.staging = staging
@@ -92,6 +116,7 @@ class LaneReceiver:
         self._lock_fd = lock_fd
         self._cond = threading.Condition()
         self._stop = threading.Event()
+        self._lobby_thread: threading.Thread | None = None
         self._stop_lock = threading.Lock()
         self._lobby_thread = threading.Thread(
             target=self._lobby, name=f"lane-{lane}-lobby", daemon=True
@@ -99,6 +124,15 @@ class LaneReceiver:
         self._connections: list[Any] = []
         self.error: BaseException | None = None
         self.finished = False
+        # In-process receivers (the Python API, the CLI): run before the final
+        # manifest's "K" once this lane is staged; blocks until the data is where
+        # the receiver asked and returns the receiver's error, if any, to answer
+        # "E" instead. None (Spark): "K" means staged, as the lane is the data.
+        self.before_ok = before_ok
+        self.staged = False  # manifest and every partition staged, waiting in before_ok
+        # The lane could not stage (disk full, ...): every later stream and the
+        # manifest get it as "E"; the lane ends with it at the abort or manifest.
+        self.failure: StagingError | None = None
         self.last_activity = time.monotonic()
         self.active_streams = 0
         self.connections_made = 0
@@ -116,6 +150,12 @@ class LaneReceiver:
 
     def start(self) -> None:
         self._lobby_thread.start()
+
+    def join_lobby(self, timeout: float = 3.0) -> None:
+        """After :meth:`stop`: wait until the lobby closed its wormhole (a process about
+        to exit would otherwise drop it mid-way and log the lost mailbox connection)."""
+        if self._lobby_thread.is_alive() and self._lobby_thread is not threading.current_thread():
+            self._lobby_thread.join(timeout)
 
     def stop(self, linger: float = 2.0) -> None:
         """Close the lobby and every connection (idempotent; waits for a stop under way)."""
@@ -200,32 +240,36 @@ class LaneReceiver:
                 connecting += is_connecting(status)
         return self.connections_made, reconnects, paths, reconnecting, connecting
 
-    def wait_finished(self, timeout: float | None = None) -> BaseException | None:
+    def wait_finished(
+        self, staged: bool = False, timeout: float | None = None
+    ) -> BaseException | None:
         """Block until the lane is done or failed, or idle for ``idle_timeout``; its error.
 
-        With ``timeout``, return after that long at most (check :attr:`finished`).
+        ``staged``: return once the lane is staged and waits in ``before_ok``.
+        ``timeout``: give up waiting then (the lane goes on; returns None).
         """
         idle = self.spec.options.idle_timeout
-        until = None if timeout is None else time.monotonic() + timeout
+        end = None if timeout is None else time.monotonic() + timeout
         with self._cond:
-            while not self.finished:
-                if until is not None and time.monotonic() >= until:
-                    break
-                left = 0.5 if until is None else until - time.monotonic()
+            while not self.finished and not (staged and self.staged):
+                if end is not None and time.monotonic() >= end:
+                    return None
+                left = 0.5 if end is None else end - time.monotonic()
                 self._cond.wait(max(0.0, min(0.5, left)))
                 quiet = time.monotonic() - self.last_activity
+                busy = self.active_streams or self.staged  # staged: the receiver writes out
                 lost = self.gave_up is not None and not self._connections
-                if lost and not self.active_streams and not self.finished:
+                if lost and not busy and not self.finished:
                     # Every sender connection is gone and the last one did not come
                     # back within reconnect_timeout: the sender ended without a word
                     # (killed, machine lost) or the network between us is down.
                     self.finished = True
-                    timeout = self.spec.options.reconnect_timeout
+                    limit = self.spec.options.reconnect_timeout
                     self.error = LaneIdleError(
-                        f"lane {self.lane} lost the sender: no connection for {timeout:g} s "
+                        f"lane {self.lane} lost the sender: no connection for {limit:g} s "
                         f"({self.spec.options.spelled('reconnect_timeout')}): {self.gave_up}"
                     )
-                elif quiet > idle and not self.active_streams and not self.finished:
+                elif quiet > idle and not busy and not self.finished:
                     self.finished = True
                     self.error = LaneIdleError(
                         f"lane {self.lane} heard nothing from the sender for {idle:g} s (no "
@@ -354,13 +398,26 @@ class LaneReceiver:
         header = PartitionHeader.from_body(body)
         with self._cond:
             decision = self.book.begin(header)
+            failure = self.failure
             self.active_streams += 1
         try:
+            if failure is not None:
+                channel.send(failure_answer(f"the receiver failed: {failure}"))
+                return
             if decision.action == "refuse":
                 refusal = {"error": decision.reason, "ended": decision.ended}
                 channel.send(encode_json(TAG_ERROR, refusal))
                 return
-            self._receive_stream(channel, header, decision.action == "discard")
+            try:
+                self._receive_stream(channel, header, decision.action == "discard")
+            except StagingError as e:
+                # Not transient (disk full, no permission): say why, so the sender
+                # fails with the cause instead of sending it again.
+                log.info("%s", e)
+                with self._cond:
+                    self.failure = self.failure or e
+                    self._cond.notify_all()
+                channel.send(failure_answer(f"the receiver failed: {self.failure}"))
         finally:
             with self._cond:
                 self.active_streams -= 1
@@ -370,7 +427,11 @@ class LaneReceiver:
         wait = self.spec.options.reconnect_timeout
         assembler = PartitionAssembler(header)
         partial = None if discard else self.staging.partial_path(header.partition, header.attempt)
-        out = open(partial, "wb") if partial else None
+        what = f"partition {header.partition}"
+        try:
+            out = open(partial, "wb") if partial else None
+        except OSError as e:
+            raise staging_error(self.lane, what, e, self.spec.options.staging_root) from e
         try:
             while True:
                 message = channel.receive(timeout=wait)
@@ -383,7 +444,11 @@ class LaneReceiver:
                 if tag == TAG_DATA:
                     assembler.data(body)
                     if out is not None:
-                        out.write(body)
+                        try:
+                            out.write(body)
+                        except OSError as e:
+                            root = self.spec.options.staging_root
+                            raise staging_error(self.lane, what, e, root) from e
                     self._touch()
                 elif tag == TAG_TRAILER:
                     trailer = Trailer.from_body(body)
@@ -391,18 +456,21 @@ class LaneReceiver:
                     break
                 else:
                     raise ProtocolError(f"unexpected {tag!r} inside a partition stream")
-            if out is not None:
-                out.close()
-                out = None
-            with self._cond:
-                kept = partial is not None and self.book.completed(
-                    header.partition, header.attempt, trailer.rows
-                )
-                if kept:
-                    assert partial is not None
-                    os.replace(partial, self.staging.complete_path(header.partition))
-                    partial = None
-                self._cond.notify_all()
+            try:
+                if out is not None:
+                    out.close()  # flushes: a full disk may say so only now
+                    out = None
+                with self._cond:
+                    kept = partial is not None and self.book.completed(
+                        header.partition, header.attempt, trailer.rows
+                    )
+                    if kept:
+                        assert partial is not None
+                        os.replace(partial, self.staging.complete_path(header.partition))
+                        partial = None
+                    self._cond.notify_all()
+            except OSError as e:
+                raise staging_error(self.lane, what, e, self.spec.options.staging_root) from e
             channel.send(
                 Complete(
                     header.partition,
@@ -413,10 +481,15 @@ class LaneReceiver:
                     duplicate=not kept,
                 ).encode()
             )
-            self._check_done()
+            try:
+                self._check_done()
+            except StagingError as e:  # the manifest.json of a lane completed by this stream
+                log.info("%s", e)
+                self._finish(e)
         finally:
             if out is not None:
-                out.close()
+                with contextlib.suppress(OSError):  # its error is already on its way
+                    out.close()
             if partial is not None:
                 with contextlib.suppress(FileNotFoundError):
                     os.unlink(partial)
@@ -434,8 +507,21 @@ class LaneReceiver:
                 self.book.got_manifest(manifest)
                 self._cond.notify_all()
             # Answer first, then finish: finishing closes this connection.
-            error = self._check_done(finish=False)
-            if error is not None:
+            try:
+                error: BaseException | None = self._check_done(finish=False)
+            except StagingError as e:
+                error = self.failure = self.failure or e
+            if error is None and self.failure is not None:
+                error = self.failure
+            if error is None and self.before_ok is not None:
+                error = self._deliver()
+            if isinstance(error, StagingError):
+                channel.send(failure_answer(f"the receiver failed: {error}"))
+                self._finish(error)
+            elif isinstance(error, DeliveryError):
+                channel.send(failure_answer(str(error)))
+                self._finish(error)
+            elif error is not None:
                 channel.send(encode_json(TAG_ERROR, {"error": str(error)}))
                 self._finish(error)
             else:
@@ -449,9 +535,25 @@ class LaneReceiver:
             with self._cond:
                 self.book.aborted = abort.text("sender")
             channel.send(encode_json(TAG_OK, {}))
-            self._finish(TransferAbortedError(abort.text("sender")))
+            # After a staging failure the abort is its echo: the lane's error is the cause.
+            self._finish(self.failure or TransferAbortedError(abort.text("sender")))
         else:
             channel.send(encode_json(TAG_ERROR, {"error": f"unexpected {tag!r}"}))
+
+    def _deliver(self) -> BaseException | None:
+        """Wait until every listed partition is staged, then for ``before_ok``; its error."""
+        assert self.before_ok is not None
+        with self._cond:
+            while not self.book.done():
+                if self.failure is not None:
+                    return self.failure
+                if self.finished or self._stop.is_set():
+                    return self.error or TransferError(f"lane {self.lane} stopped")
+                self._cond.wait(0.5)
+            self.staged = True
+            self._cond.notify_all()
+        text = self.before_ok()
+        return None if text is None else DeliveryError(text)
 
     def _check_done(self, finish: bool = True) -> CannotHealError | None:
         """Finish the lane if the manifest and every listed partition are here.
@@ -487,9 +589,13 @@ class LaneReceiver:
             if missing:
                 return None
             self.book.check_rows()
-            self.staging.write_manifest(manifest)
+            try:
+                self.staging.write_manifest(manifest)
+            except OSError as e:
+                root = self.spec.options.staging_root
+                raise staging_error(self.lane, "its manifest", e, root) from e
         log.info("lane %d: done, %d partitions", self.lane, len(manifest.for_lane(self.lane)))
-        if finish:
+        if finish and self.before_ok is None:  # else the manifest's answer finishes the lane
             self._finish(None)
         return None
 
@@ -500,10 +606,13 @@ _registry_lock = threading.Lock()
 _receivers: dict[tuple[str, int], LaneReceiver] = {}
 
 
-def lane_receiver(spec: TransferSpec, lane: int) -> LaneReceiver | None:
+def lane_receiver(
+    spec: TransferSpec, lane: int, before_ok: Callable[[], str | None] | None = None
+) -> LaneReceiver | None:
     """This process's receiver of ``lane``, started if this process wins the lane's lock.
 
     None if another process on this machine holds it (follow its staged files).
+    ``before_ok``: see :class:`LaneReceiver` (in-process receivers only).
     """
     key = (spec.transfer_id, lane)
     with _registry_lock:
@@ -516,7 +625,7 @@ def lane_receiver(spec: TransferSpec, lane: int) -> LaneReceiver | None:
             return None
         if current is not None:
             _receivers.pop(key, None)
-        receiver = LaneReceiver(spec, lane, staging, fd)
+        receiver = LaneReceiver(spec, lane, staging, fd, before_ok)
         _receivers[key] = receiver
         receiver.start()
         return receiver

@@ -55,6 +55,13 @@ class LaneRefusedError(TransferError):
     """The lane refused the partition (schema mismatch, aborted transfer, ...)."""
 
 
+class ReceiverFailedError(LaneRefusedError):
+    """The receiver could not keep the data (its disk, its output): its own words.
+
+    Not transient: sending the partition again would fail the same way.
+    """
+
+
 class InjectedFailure(TransferError):
     """A test-only failure requested with option ``test_fail``."""
 

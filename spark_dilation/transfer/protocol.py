@@ -202,15 +202,24 @@ class Offer:
     schema: pa.Schema
     compression: str = "none"
     source: str = "python"  # "spark" or "python": for messages and reports
+    # Totals where the sender knows them (None: unknown; optional on the wire, so
+    # peers without them still decode): rows, and estimated bytes (the files'
+    # sizes, a table's nbytes). The receiver refuses an offer its disk cannot hold.
+    rows: int | None = None
+    bytes: int | None = None
 
     def encode(self) -> bytes:
-        body = {
+        body: dict[str, Any] = {
             "version": VERSION,
             "transfer": self.transfer_id,
             "schema": base64.b64encode(schema_bytes(self.schema)).decode(),
             "compression": self.compression,
             "source": self.source,
         }
+        if self.rows is not None:
+            body["rows"] = self.rows
+        if self.bytes is not None:
+            body["bytes"] = self.bytes
         return json.dumps({"dataset-offer": body}).encode()
 
     @classmethod
@@ -229,9 +238,18 @@ class Offer:
                 schema=schema_from_bytes(base64.b64decode(body["schema"])),
                 compression=compression,
                 source=str(body.get("source", "python")),
+                rows=_optional_count(body.get("rows")),
+                bytes=_optional_count(body.get("bytes")),
             )
         except (KeyError, TypeError, ValueError, pa.ArrowException) as e:
             raise ProtocolError(f"the sender's dataset offer is malformed: {e}") from e
+
+
+def _optional_count(value: Any) -> int | None:
+    """An optional non-negative total of the offer; anything else is unknown (None)."""
+    if isinstance(value, int) and not isinstance(value, bool) and value >= 0:
+        return value
+    return None
 
 
 @dataclass(frozen=True)
@@ -273,6 +291,15 @@ def decode_session_message(data: bytes) -> tuple[str, Any]:
 
 def error_message(text: str) -> bytes:
     return json.dumps({"error": text}).encode()
+
+
+def failure_answer(text: str) -> bytes:
+    """The lane's ``E`` when the receiver itself failed (its disk, its output).
+
+    ``"failed": true`` tells the sender that ``text`` is the receiver's whole
+    error, to raise as is and never to retry (older senders show it as a refusal).
+    """
+    return encode_json(TAG_ERROR, {"error": text, "failed": True})
 
 
 # --- subchannel messages ------------------------------------------------------------------

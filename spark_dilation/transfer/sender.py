@@ -46,6 +46,7 @@ from .partition import (
     LaneNotStartedError,
     LaneRefusedError,
     PartitionStream,
+    ReceiverFailedError,
 )
 from .protocol import (
     CONTROL_SUBPROTOCOL,
@@ -84,6 +85,7 @@ __all__ = [
     "LaneLostError",
     "LaneNotStartedError",
     "LaneRefusedError",
+    "ReceiverFailedError",
     "deliver_abort",
     "deliver_control",
     "deliver_manifest",
@@ -487,6 +489,10 @@ def stream_partition(
         ended = connections.failure(tid)
         if ended is not None:  # cut by fail(): the connection is still good
             raise ended from None
+        early = _early_answer(channel)
+        if early is not None:  # the lane refused mid-stream and closed: its reason
+            channel.close()
+            _answer(early, lane, TAG_COMPLETE, f"partition {partition}")
         connections.evict(tid, lane, conn)
         raise LaneLostError(
             f"the connection to lane {lane} failed while sending partition {partition}: {e}"
@@ -503,6 +509,15 @@ def stream_partition(
     return Complete.from_body(_answer(reply, lane, TAG_COMPLETE, f"partition {partition}"))
 
 
+def _early_answer(channel: Any) -> bytes | None:
+    """An ``E`` the lane sent before closing the subchannel under our sends, if any."""
+    try:
+        reply = channel.receive(timeout=0)
+    except BlockingDilationError:
+        return None
+    return reply if reply is not None and reply[:1] == TAG_ERROR else None
+
+
 def _answer(reply: bytes | None, lane: int, expected: bytes, what: str) -> dict:
     """The body of the lane's answer about ``what`` if it is ``expected``; else the error."""
     if reply is None:
@@ -510,6 +525,8 @@ def _answer(reply: bytes | None, lane: int, expected: bytes, what: str) -> dict:
     tag, body = decode_message(reply)
     if tag == TAG_ERROR and body.get("ended"):
         raise TransferAbortedError(str(body.get("error")))  # the receiving side ended it
+    if tag == TAG_ERROR and body.get("failed"):
+        raise ReceiverFailedError(str(body.get("error")))
     if tag == TAG_ERROR:
         raise LaneRefusedError(f"lane {lane} refused {what}: {body.get('error')}")
     if tag != expected:

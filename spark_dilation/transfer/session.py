@@ -16,7 +16,7 @@ from __future__ import annotations
 import contextlib
 import logging
 import uuid
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -44,6 +44,7 @@ from .protocol import (
     transfer_secret,
 )
 from .spec import TransferSpec
+from .staging import space_refusal
 
 log = logging.getLogger(__name__)
 
@@ -108,11 +109,14 @@ class SenderSession:
         code: str | None = None,
         source: str = "python",
         code_length: int = 2,
+        rows: int | None = None,
+        nbytes: int | None = None,
     ) -> SenderSession:
+        """``rows``/``nbytes``: the dataset's totals if known (the offer's ``rows``/``bytes``)."""
         from ..wormhole.client import Wormhole
 
         ensure_reactor()
-        offer = Offer(uuid.uuid4().hex, schema, options.compression, source)
+        offer = Offer(uuid.uuid4().hex, schema, options.compression, source, rows, nbytes)
 
         def start() -> defer.Deferred:
             w = Wormhole(
@@ -210,6 +214,7 @@ async def accept_offer(
     w: Any,
     options: TransferOptions,
     check: Callable[[pa.Schema], str | None] | None = None,
+    room: Sequence[Path] = (),
 ) -> TransferSpec:
     """The receiver's half of the session, on the reactor, once the key is confirmed.
 
@@ -217,7 +222,9 @@ async def accept_offer(
     versions), answers with our lane count and derives the transfer secret;
     the caller closes ``w``. ``check`` may refuse the offered schema: the
     reason it returns goes to the sender and is raised as a
-    :class:`TransferError`.
+    :class:`TransferError`. ``room``: folders that will hold the data (the
+    staging root, the output); an offer whose ``bytes`` clearly do not fit
+    there is refused the same way.
     """
     if session_role(await w.get_versions()) == SESSION_RECEIVER:
         raise TransferError(
@@ -244,6 +251,8 @@ async def accept_offer(
         w.send_message(error_message(str(e)))
         raise
     reason = check(offer.schema) if check is not None else None
+    if reason is None and room:
+        reason = space_refusal(offer.bytes, list(room))
     if reason is not None:
         w.send_message(error_message(reason))
         raise TransferError(reason)
@@ -257,10 +266,12 @@ def receive_session(
     *,
     file_dest: Path | None = None,
     accept_file: bool = True,
+    room: Sequence[Path] = (),
 ) -> TransferSpec | ReceivedFileResult:
     """Open ``code`` and agree on a dataset transfer, or receive the file it carries.
 
-    ``file_dest``: where a plain file goes (required to accept one).
+    ``file_dest``: where a plain file goes (required to accept one); ``room``:
+    see :func:`accept_offer`.
     """
     from ..transit.connector import TransitConnector
     from ..transit.filetransfer import ReceivedFile, receive
@@ -298,7 +309,7 @@ def receive_session(
                     )
                 await w.close()
                 return ReceivedFileResult(got)
-            spec = await accept_offer(w, options)
+            spec = await accept_offer(w, options, room=room)
         except BaseException:
             with contextlib.suppress(DilationError):
                 await w.close()

@@ -48,6 +48,19 @@ DEFAULT_MAILBOX_URL = "ws://relay.magic-wormhole.io:4000/v1"
 CLOSE_TIMEOUT = 10.0
 
 
+_shutting_down: set[int] = set()  # id() of reactors whose shutdown has begun
+_watched: set[int] = set()
+
+
+def _watch_shutdown(reactor: Any) -> None:
+    """Note when ``reactor`` starts shutting down (a process exiting drops every
+    connection: that is no lost mailbox connection worth a warning)."""
+    if id(reactor) in _watched or not hasattr(reactor, "addSystemEventTrigger"):
+        return
+    _watched.add(id(reactor))
+    reactor.addSystemEventTrigger("before", "shutdown", _shutting_down.add, id(reactor))
+
+
 class _Result:
     """A value that arrives once; any number of Deferreds may wait for it."""
 
@@ -184,6 +197,7 @@ class Wormhole:
         self._dilation_enabled = dilation or "can-dilate" in versions
         self._dilator: Any = None
         self._reactor = reactor
+        _watch_shutdown(reactor)
         self._url = mailbox_url
         self._core = core.WormholeCore(
             appid, versions=versions, side=side, keep_nameplate=keep_nameplate
@@ -382,7 +396,9 @@ class Wormhole:
         if self._ws is proto:
             self._ws = None
             self._feed(self._core.connection_lost())
-            if not self._stopping:
+            if id(self._reactor) in _shutting_down:
+                log.info("the mailbox connection closed as this process exits")
+            elif not self._stopping:
                 # At process exit the reactor drops every connection: no news.
                 exiting = getattr(self._reactor, "_stopped", False)
                 (log.info if exiting else log.warning)(
