@@ -651,7 +651,10 @@ def _wait_staged(
         raise Interrupted(cause, _tell_sender(receivers, cause)) from None
     if error is not None:
         ticker.stop(final=False)
-        raise error
+        # The sender's abort may only echo this side's own failure (a lane that could
+        # not stage): raise the cause, as the lane that saw it recorded it.
+        own = next((r.failure for r in receivers if r.failure is not None), None)
+        raise own if own is not None else error
     ticker.stop()
 
 
