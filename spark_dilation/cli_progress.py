@@ -130,7 +130,11 @@ class Reporter:
                     mininterval=0.2,
                     desc="sending" if p.side == "send" else "receiving",
                     leave=True,
+                    smoothing=0,  # the average since the start: partitions land in jumps
                 )
+                # The clock of the rate and ETA starts with the transfer, not with
+                # this first snapshot (else the first ticks show absurd rates).
+                self._bar.start_t = self._bar._time() - p.seconds
             bar = self._bar
             bar.n = p.rows if by_rows else p.bytes
             # tqdm shows the count and its rate; the postfix adds the other unit.

@@ -216,3 +216,61 @@ def test_dataset_with_the_unreachable_default_relay_is_direct_quick_and_quiet(
         # relay would add its connect timeout (tens of seconds).
         assert received_after < 20 and sent_after < 20
     assert os.environ.get(RELAY_ENV) is None
+
+
+def test_receiving_bar_on_a_terminal_has_the_total_percent_and_eta(
+    mailbox_url: str, tmp_path: Path
+) -> None:
+    """The sender announces its rows in the offer: the receiver's bar (stderr on a
+    pseudo-terminal) shows percent, the total and an ETA, and sane rates from the
+    first tick (the rate's clock starts with the transfer)."""
+    import fcntl
+    import pty
+    import re
+    import select
+    import signal
+    import struct
+    import termios
+
+    src = tmp_path / "src"
+    src.mkdir()
+    for i in range(4):
+        ids = pa.array(range(i * 500_000, (i + 1) * 500_000), pa.int64())
+        pq.write_table(
+            pa.table({"id": ids, "x": pa.compute.multiply(ids, 3)}), src / f"{i}.parquet"
+        )
+    code = new_code()
+    sender = _cli(tmp_path, "send", str(src), "--code", code, "--mailbox", mailbox_url)
+    pid, fd = pty.fork()
+    if pid == 0:  # the receiver, on a terminal of its own
+        os.chdir(tmp_path)
+        os.execve(OURS, [OURS, "receive", code, "--mailbox", mailbox_url, "-o", "got"], child_env())
+    # A terminal of 120 columns (a new pty has 0, where tqdm draws nothing).
+    fcntl.ioctl(fd, termios.TIOCSWINSZ, struct.pack("HHHH", 40, 120, 0, 0))
+    shown = b""
+    status = None
+    try:
+        deadline = time.monotonic() + TIMEOUT
+        while status is None and time.monotonic() < deadline:
+            if select.select([fd], [], [], 0.05)[0]:
+                try:
+                    shown += os.read(fd, 65536)
+                except OSError:
+                    pass
+            done, raw = os.waitpid(pid, os.WNOHANG)
+            status = os.waitstatus_to_exitcode(raw) if done else None
+    finally:
+        if status is None:
+            os.kill(pid, signal.SIGKILL)
+            os.waitpid(pid, 0)
+        os.close(fd)
+    rc, _, sent = _finish(sender)
+    text = shown.decode(errors="replace")
+    assert status == 0 and rc == 0, (text, sent)
+    assert re.search(r"receiving:\s+100%\|", text), text
+    assert "2.00M/2.00M" in text, text  # the total, from the offer
+    assert re.search(r"\[\d\d:\d\d<\d\d:\d\d", text), text  # elapsed<ETA
+    scale = {"": 1, "k": 1e3, "M": 1e6, "G": 1e9}
+    rates = [float(n) * scale[u] for n, u in re.findall(r"([\d.]+)([kMG]?) rows/s", text)]
+    assert rates and max(rates) < 2e8, rates  # was 1.53G rows/s on the first tick
+    assert pq.read_table(tmp_path / "got").num_rows == 2_000_000

@@ -556,6 +556,7 @@ class _ReceiveMeter:
         self._receivers = receivers
         self._started = started
         self._rows: dict[Path, int] = {}
+        self._peak_bytes = 0  # a dropped attempt's partial file goes; the count does not
 
     def snapshot(self, done: bool = False) -> Progress:
         rows = nbytes = partitions = connections = reconnects = reconnecting = connecting = 0
@@ -579,10 +580,12 @@ class _ReceiveMeter:
                             with contextlib.suppress(OSError, pa.ArrowException):
                                 self._rows[f] = rows_of(f)
                         rows += self._rows.get(f, 0)
+        self._peak_bytes = max(self._peak_bytes, nbytes)
         return Progress(
             side="receive",
             rows=rows,
-            bytes=nbytes,
+            bytes=self._peak_bytes,
+            total_rows=self._receivers[0].spec.total_rows if self._receivers else None,
             seconds=time.monotonic() - self._started,
             partitions=partitions,
             connections=connections,

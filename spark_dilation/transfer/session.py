@@ -199,7 +199,13 @@ class SenderSession:
 
 def _spec(offer: Offer, secret: bytes, lanes: int, options: TransferOptions) -> TransferSpec:
     return TransferSpec(
-        offer.transfer_id, secret, lanes, schema_bytes(offer.schema), offer.compression, options
+        offer.transfer_id,
+        secret,
+        lanes,
+        schema_bytes(offer.schema),
+        offer.compression,
+        options,
+        total_rows=offer.rows,
     )
 
 

@@ -29,6 +29,9 @@ class TransferSpec:
     # The reading application's lane registry (addresses, port), set by
     # ``load()``; None: lanes hold their own staging only (the Python API).
     registry: tuple[tuple[str, ...], int] | None = None
+    # Rows the sender announced in its offer (None: it did not know), for the
+    # receiver's progress (percent and ETA).
+    total_rows: int | None = None
 
     def with_registry(self, addresses: tuple[str, ...], port: int) -> TransferSpec:
         return replace(self, registry=(tuple(addresses), port))
