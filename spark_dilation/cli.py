@@ -150,7 +150,16 @@ def build_parser() -> argparse.ArgumentParser:
     )
     receive.add_argument("code", nargs="?", help="the code (asked for if omitted)")
     receive.add_argument(
-        "--accept-file", action="store_true", help="accept a file or directory without asking"
+        "--accept-file",
+        "-y",
+        "--yes",
+        action="store_true",
+        help="accept a file or directory without asking (-y/--yes, as croc)",
+    )
+    receive.add_argument(
+        "--overwrite",
+        action="store_true",
+        help="replace an existing -o: a dataset folder (swapped in only once complete) or a file",
     )
     receive.add_argument(
         "-o",
@@ -550,7 +559,9 @@ def receive(args: argparse.Namespace, reporter: Reporter) -> None:
     staged = spec.options.staging_root / spec.transfer_id
     cli_signals.also_on_exit_now(lambda: shutil.rmtree(staged, ignore_errors=True))
     reporter.say(f"Receiving a dataset ({len(spec.schema)} columns) into {dest}/")
-    got = receive_agreed(spec, dest, format=args.format, on_progress=reporter.progress)
+    got = receive_agreed(
+        spec, dest, format=args.format, on_progress=reporter.progress, overwrite=args.overwrite
+    )
     reporter.close()
     reporter.emit("done", **_report_fields(got.report), files=[str(f) for f in got.files])
     if reporter.mode != "json":
@@ -573,7 +584,9 @@ def _dataset_dest(args: argparse.Namespace, code: str) -> Path:
     return dest
 
 
-def _dest_refusal(dest: Path) -> str | None:
+def _dest_refusal(dest: Path, overwrite: bool = False) -> str | None:
+    if overwrite:
+        return None  # replaced at the end, once the new data is complete
     if dest.exists() and (not dest.is_dir() or any(dest.iterdir())):
         return f"refusing to write the dataset into {str(dest)!r}: it exists and is not empty"
     return None
@@ -595,7 +608,7 @@ def _check_dest_before_code(args: argparse.Namespace, code: str) -> None:
     dest = _dataset_dest(args, code)
     if dest.exists() and not dest.is_dir():
         return  # an existing file: both offers refuse it (never overwritten), telling the sender
-    problem = dest_problem(dest, must_be_empty=not args.accept_file)
+    problem = dest_problem(dest, must_be_empty=not (args.accept_file or args.overwrite))
     if problem is not None:
         full = dest.is_dir() and any(dest.iterdir())
         hint = " (add --accept-file to save a file inside it)" if full else ""
@@ -643,7 +656,7 @@ def receive_session_or_classic(
             dest = _dataset_dest(args, code)
 
             def check(schema: Any) -> str | None:
-                return format_refusal(schema, args.format) or _dest_refusal(dest)
+                return format_refusal(schema, args.format) or _dest_refusal(dest, args.overwrite)
 
             options = _transfer_options(args, lanes=args.lanes)
             room = [options.staging_root, dest]
@@ -675,6 +688,7 @@ def receive_session_or_classic(
                 _connector(reactor, args, False),
                 accept=accept_and_meter,
                 output_name=name,
+                overwrite=args.overwrite,
                 on_status=status,
                 progress=lambda n: meter(n) if meter is not None else None,
             )

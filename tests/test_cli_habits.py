@@ -274,3 +274,36 @@ def test_receiving_bar_on_a_terminal_has_the_total_percent_and_eta(
     rates = [float(n) * scale[u] for n, u in re.findall(r"([\d.]+)([kMG]?) rows/s", text)]
     assert rates and max(rates) < 2e8, rates  # was 1.53G rows/s on the first tick
     assert pq.read_table(tmp_path / "got").num_rows == 2_000_000
+
+
+def test_yes_and_overwrite_as_croc(mailbox_url: str, tmp_path: Path) -> None:
+    """`-y`/`--yes` accepts a file without asking; `--overwrite` replaces a dataset folder
+    (only once the new one is complete: no file of the old one stays) and a file."""
+    old = tmp_path / "got"
+    old.mkdir()
+    (old / "part-00009.parquet").write_text("an older dataset")
+    src = tmp_path / "src"
+    src.mkdir()
+    pq.write_table(pa.table({"id": list(range(300))}), src / "a.parquet")
+    code = new_code()
+    sender = _cli(tmp_path, "send", str(src), "--code", code, "--mailbox", mailbox_url)
+    receiver = _cli(tmp_path, "receive", code, "--mailbox", mailbox_url, "-o", "got",
+                    "--overwrite")  # fmt: skip
+    assert _finish(receiver)[0] == 0 and _finish(sender)[0] == 0
+    assert sorted(p.name for p in old.iterdir()) == ["part-00000.parquet"]
+    assert pq.read_table(old).column("id").to_pylist() == list(range(300))
+    assert not [p for p in tmp_path.iterdir() if p.name.startswith(".got.")]
+
+    (tmp_path / "note.txt").write_text("new text")
+    (tmp_path / "in").mkdir()
+    (tmp_path / "in" / "note.txt").write_text("old text")
+    for flag in ("-y", "--yes"):
+        code = new_code()
+        sender = _cli(tmp_path, "send", "--classic", "note.txt", "--code", code,
+                      "--mailbox", mailbox_url)  # fmt: skip
+        receiver = _cli(tmp_path, "receive", code, "--mailbox", mailbox_url, flag,
+                        "--overwrite", "-o", "in")  # fmt: skip
+        rc, _, err = _finish(receiver)
+        assert rc == 0 and _finish(sender)[0] == 0, err
+        assert "ok?" not in err
+        assert (tmp_path / "in" / "note.txt").read_text() == "new text"

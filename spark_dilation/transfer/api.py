@@ -722,12 +722,14 @@ def _write_files(
     staging: dict[int, LaneStaging],
     out: Path,
     format: str,
+    replace: bool = False,
 ) -> list[Path]:
     """Write the files into a hidden folder next to ``out``, then move them into ``out``.
 
     ``out`` appears only complete: renamed from the hidden folder if absent,
-    or given the files if it is a folder. On any failure the hidden folder
-    goes and the error names the file and the cause.
+    or given the files if it is a folder; with ``replace`` an existing
+    ``out`` is swapped for the new folder only then (and removed). On any
+    failure the hidden folder goes and the error names the file and the cause.
     """
     partial = out.parent / f".{out.name}.spark-dilation-{spec.transfer_id[:12]}.partial"
 
@@ -750,7 +752,15 @@ def _write_files(
                 raise failed(name, e) from e
             names.append(name)
         try:
-            if out.is_dir():  # an existing folder (empty, for the CLI): the files go in
+            if replace and out.exists():
+                old = out.parent / f".{out.name}.spark-dilation-{spec.transfer_id[:12]}.old"
+                os.rename(out, old)
+                os.rename(partial, out)
+                if old.is_dir():
+                    shutil.rmtree(old, ignore_errors=True)
+                else:
+                    old.unlink(missing_ok=True)
+            elif out.is_dir():  # an existing folder (empty, for the CLI): the files go in
                 for name in names:
                     os.replace(partial / name, out / name)
                 partial.rmdir()
@@ -837,8 +847,11 @@ def receive_agreed(
     on_progress: ProgressCallback | None = None,
     interval: float = PROGRESS_INTERVAL,
     started: float | None = None,
+    overwrite: bool = False,
 ) -> ReceivedDataset:
     """The rest of :func:`receive_dataset` once a session agreed on ``spec``.
+
+    ``overwrite``: an existing ``dest`` is replaced, once the new files are complete.
 
     For callers that run the session themselves (the CLI, which also takes
     files and texts from the same code; see :func:`.session.accept_offer`).
@@ -870,7 +883,7 @@ def receive_agreed(
                 ]
                 table = pa.Table.from_batches(batches, schema=spec.schema)
             else:
-                files = _write_files(spec, partitions, staging, Path(dest), format)
+                files = _write_files(spec, partitions, staging, Path(dest), format, overwrite)
         except BaseException as e:
             delivery.give(_answer_text(e))  # the lanes answer the manifest with it
             if isinstance(e, KeyboardInterrupt) and not isinstance(e, Interrupted):
