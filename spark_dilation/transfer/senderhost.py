@@ -35,8 +35,10 @@ from collections.abc import Iterator
 from dataclasses import asdict
 
 from ..errors import DilationError, TransferError
+from . import codec
 from .hostlink import (
     KIND_ABORT,
+    KIND_LINK,
     KIND_MANIFEST,
     KIND_PARTITION,
     error_record,
@@ -52,6 +54,7 @@ from .hostlink import (
 )
 from .lifetime import owner_pid, read_private, try_lock, watch
 from .protocol import CommittedPartition, ProtocolError
+from .report import combine_paths
 from .sender import ConnectionPool, deliver_abort, deliver_manifest, stream_partition
 from .spec import TransferSpec
 
@@ -213,6 +216,12 @@ class SenderHost:
                 self._done.set()
             # Every connection this host opened (its own and the manifest's).
             return {"opened": opened, "stats": asdict(self.pool.stats(spec.transfer_id))}
+        if kind == KIND_LINK:
+            path, rate = codec.link_state(spec.transfer_id)
+            if path == "unknown":  # no partition yet: the warmed connections' path
+                path = combine_paths(self.pool.stats(spec.transfer_id).paths)
+                path = "relay" if "relay" in path else path
+            return {"path": path, "rate": rate}
         if kind == KIND_ABORT:
             try:
                 deliver_abort(
