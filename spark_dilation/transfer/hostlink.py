@@ -306,7 +306,7 @@ def send_partition_via_host(
     # The host enforces the real deadlines and explains them; this one only
     # bounds a host that stopped answering.
     sock.settimeout(opts.lane_start_timeout + 2 * opts.reconnect_timeout + 30)
-    stream = PartitionStream(spec, partition, attempt, link=lambda: host_link(spec))
+    stream = PartitionStream(spec, partition, attempt, link=lambda: host_link(spec, partition))
     with sock:
         try:
             for message in stream.messages(batches):
@@ -323,12 +323,13 @@ def send_partition_via_host(
     return stream.committed(done, done.lane), with_choice(ConnectionStats(**stats), stream.choice)
 
 
-def host_link(spec: TransferSpec) -> codec.Link:
-    """The link as this machine's host sees it (it holds the connections and measures)."""
-    sock = _connect(spec, KIND_LINK, {})
+def host_link(spec: TransferSpec, partition: int) -> codec.Link:
+    """The link to ``partition``'s lane as this machine's host sees it (it holds the
+    connections and measures); the host answers once that connection is up."""
+    sock = _connect(spec, KIND_LINK, {"partition": partition})
     if sock is None:
         return codec.current_link(spec.transfer_id)
-    sock.settimeout(10.0)
+    sock.settimeout(spec.options.lane_start_timeout + 30)
     with sock:
         answer = _reply(sock, "the link query")
     return codec.observed_link(str(answer["path"]), answer["rate"])

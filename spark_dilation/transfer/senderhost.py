@@ -53,8 +53,8 @@ from .hostlink import (
     write_answer,
 )
 from .lifetime import owner_pid, read_private, try_lock, watch
-from .protocol import CommittedPartition, ProtocolError
-from .report import combine_paths
+from .protocol import CommittedPartition, ProtocolError, lane_of
+from .report import path_of
 from .sender import ConnectionPool, deliver_abort, deliver_manifest, stream_partition
 from .spec import TransferSpec
 
@@ -217,11 +217,18 @@ class SenderHost:
             # Every connection this host opened (its own and the manifest's).
             return {"opened": opened, "stats": asdict(self.pool.stats(spec.transfer_id))}
         if kind == KIND_LINK:
-            path, rate = codec.link_state(spec.transfer_id)
-            if path == "unknown":  # no partition yet: the warmed connections' path
-                path = combine_paths(self.pool.stats(spec.transfer_id).paths)
-                path = "relay" if "relay" in path else path
-            return {"path": path, "rate": rate}
+            # The path of the partition's lane connection: the partition waits
+            # for that connection anyway (within lane_start_timeout), so this costs
+            # nothing; if it fails, the partition's own stream says why.
+            lane = lane_of(int(request["partition"]), spec.lanes)
+            path = "unknown"
+            with contextlib.suppress(DilationError, TransferError, TimeoutError):
+                wait = spec.options.lane_start_timeout
+                conn = self.pool.get(spec, lane, time.monotonic() + wait)
+                conn.wait_dilated(timeout=wait)
+                path = path_of(conn.status().connection)
+            known, rate = codec.link_state(spec.transfer_id)
+            return {"path": path if path != "unknown" else known, "rate": rate}
         if kind == KIND_ABORT:
             try:
                 deliver_abort(
