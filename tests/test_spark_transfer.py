@@ -217,6 +217,7 @@ def test_l2_connection_aborted_repeatedly(wormhole_servers: Any, tmp_path: Path)
     proxy = TcpProxy("127.0.0.1", wormhole_servers.relay_port)
     try:
         opts = _options(wormhole_servers, tmp_path, relay=proxy.hint(), no_listen=True)
+        opts["compression"] = "none"  # the 160 MB below must cross the proxy as they are
         # 160 MB cross the proxy twice (sender -> relay -> receiver): at 8 MB/s the
         # data would flow for 40 s, however fast the machine, so the transfer cannot
         # end before the four drops (each waits for every lane's connection to come
