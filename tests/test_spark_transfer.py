@@ -179,6 +179,14 @@ def test_spark_writer_into_python_parquet(wormhole_servers: Any, tmp_path: Path)
     assert "error" not in sender.result()
     assert len(got.files) == 3 and got.report.rows == 100_000
     assert_same_rows(tmp_path / "out", tmp_path / "expected")
+    # compression=auto (the default) through the sender host: the report says what
+    # the tasks chose; on this direct loopback path, nothing.
+    prefix = "spark-dilation transfer report: "
+    lines = (tmp_path / f"send-{code}.stderr").read_text().splitlines()
+    report = json.loads(next(x for x in lines if x.startswith(prefix))[len(prefix) :])
+    assert report["compression"] == "auto", report
+    if report["path"] == "direct":
+        assert report["compression_detail"].startswith("none for 3 of 3 partitions"), report
 
 
 def test_reference_wormhole_send_loads_without_accept(
