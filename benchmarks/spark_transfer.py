@@ -436,7 +436,7 @@ def main() -> None:
     p.add_argument("--rows", type=int, default=10_000_000)
     p.add_argument("--partitions", type=int, default=8)
     p.add_argument("--lanes", type=int, default=2)
-    p.add_argument("--compression", default="none", choices=["none", "lz4", "zstd"])
+    p.add_argument("--compression", default="none", choices=["auto", "none", "lz4", "zstd"])
     p.add_argument("--repeat", type=int, default=1)
     p.add_argument("--cases", default=",".join(CASES))
     p.add_argument("--procs", action="store_true", help="print CPU and RSS per Python process")

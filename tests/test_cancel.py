@@ -138,7 +138,9 @@ def start_mid_transfer(
     staging: Path,
     out: Path,
 ) -> tuple[Running, Running]:
-    sender = procs(send_cmd(mailbox_url, relay, "--no-listen", str(source)))
+    # compression none: the rate limit must hold the transfer under way, whatever auto chose.
+    flags = ("--no-listen", "--compression", "none")
+    sender = procs(send_cmd(mailbox_url, relay, *flags, str(source)))
     code = sender.wait_for_code()
     receiver = procs(receive_cmd(mailbox_url, relay, "--no-listen", code, "-o", str(out)))
     wait_until("staged bytes", lambda: staged_bytes(staging), sender, receiver)
@@ -298,6 +300,7 @@ def api_opts(mailbox_url: str, slow_relay: str, tmp_path: Path) -> dict[str, Any
         "relay": slow_relay,
         "no_listen": True,
         "staging_dir": str(tmp_path / "staging"),
+        "compression": "none",  # the rate limit holds it under way, whatever auto chose
     }
 
 

@@ -91,7 +91,15 @@ def test_relay_killed_mid_transfer_shows_reconnects_in_json_and_plain_output(
     monkeypatch.setenv("TMPDIR", str(tmp))
     relay_hint = relay_url(relay)
     sender = procs(
-        send_cmd(mailbox_url, relay_hint, "--no-listen", "--json", str(tmp_path / "src"))
+        send_cmd(
+            mailbox_url,
+            relay_hint,
+            "--no-listen",
+            "--json",
+            "--compression",
+            "none",
+            str(tmp_path / "src"),
+        )
     )
     code = sender.wait_for_code()
     receiver = procs(

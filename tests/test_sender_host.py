@@ -116,6 +116,10 @@ def test_tasks_hand_partitions_to_the_sender_host(opts: dict[str, Any]) -> None:
     # One process (the host), one connection per lane, reused by every partition.
     assert {s.process for s in stats} == {stats[0].process}
     assert stats[-1].connections_opened == spec.lanes
+    # compression=auto: each task asked the host what its connections carry.
+    assert all(s.codec_why.startswith("link ") for s in stats), stats
+    if set(stats[-1].paths) == {"direct"}:
+        assert {s.codec for s in stats} == {"none"} and "direct" in stats[0].codec_why
 
     # The manifest goes on the lanes' connections again: still one per lane, same process.
     host_stats = deliver_manifest_via_host(spec, committed)

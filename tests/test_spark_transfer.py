@@ -179,6 +179,14 @@ def test_spark_writer_into_python_parquet(wormhole_servers: Any, tmp_path: Path)
     assert "error" not in sender.result()
     assert len(got.files) == 3 and got.report.rows == 100_000
     assert_same_rows(tmp_path / "out", tmp_path / "expected")
+    # compression=auto (the default) through the sender host: the report says what
+    # the tasks chose; on this direct loopback path, nothing.
+    prefix = "spark-dilation transfer report: "
+    lines = (tmp_path / f"send-{code}.stderr").read_text().splitlines()
+    report = json.loads(next(x for x in lines if x.startswith(prefix))[len(prefix) :])
+    assert report["compression"] == "auto", report
+    if report["path"] == "direct":
+        assert report["compression_detail"].startswith("none for 3 of 3 partitions"), report
 
 
 def test_reference_wormhole_send_loads_without_accept(
@@ -217,6 +225,7 @@ def test_l2_connection_aborted_repeatedly(wormhole_servers: Any, tmp_path: Path)
     proxy = TcpProxy("127.0.0.1", wormhole_servers.relay_port)
     try:
         opts = _options(wormhole_servers, tmp_path, relay=proxy.hint(), no_listen=True)
+        opts["compression"] = "none"  # the 160 MB below must cross the proxy as they are
         # 160 MB cross the proxy twice (sender -> relay -> receiver): at 8 MB/s the
         # data would flow for 40 s, however fast the machine, so the transfer cannot
         # end before the four drops (each waits for every lane's connection to come

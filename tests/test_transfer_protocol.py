@@ -330,7 +330,7 @@ def test_options_from_strings() -> None:
     [
         ({"lanes": "x"}, "lanes='x' must be a whole number"),
         ({"lanes": "0"}, "lanes=0 must be between 1 and 4096"),
-        ({"compression": "gzip"}, "compression='gzip' is not one of none, lz4, zstd"),
+        ({"compression": "gzip"}, "compression='gzip' is not one of auto, none, lz4, zstd"),
         ({"peer_timeout": "-1"}, "peer_timeout=-1.0 must be a positive number"),
         ({"lane_start_timeout": "soon"}, "lane_start_timeout='soon' must be a number"),
         ({"no_listen": "maybe"}, "no_listen='maybe' must be true or false"),

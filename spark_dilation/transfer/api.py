@@ -39,6 +39,7 @@ import pyarrow.parquet as pq
 
 from ..dilation.manager import DilationNoPath
 from ..errors import Interrupted, TransferCancelledError, TransferError, interrupt_cause
+from . import codec
 from .lane import LaneReceiver, lane_receiver
 from .options import TransferOptions
 from .protocol import Abort, CommittedPartition, Manifest
@@ -323,6 +324,7 @@ class DatasetSender:
             seconds=time.monotonic() - started,
             compression=spec.compression,
             relay_fallbacks=stats.relay_fallbacks,
+            compression_detail=_auto_detail(spec),
         )
 
     def _ended(
@@ -350,6 +352,15 @@ class DatasetSender:
             reason = str(error) or type(error).__name__
             deliver_abort(spec, reason, connections=connections, reached_only=True)
         return error
+
+
+def _auto_detail(spec: TransferSpec) -> str:
+    """compression=auto: what this process's partitions chose (then forgets them)."""
+    if spec.compression != codec.AUTO:
+        return ""
+    detail = codec.describe(codec.choices(spec.transfer_id))
+    codec.forget(spec.transfer_id)
+    return detail
 
 
 class _Ticker:

@@ -13,7 +13,7 @@ the caller sends in-process (:mod:`.sender`).
 The local protocol (a Unix socket in a 0700 directory; both ends are this
 package, same version)::
 
-    client: b"SDH1" token(32) kind(1) len(4) JSON     kind P, M or A
+    client: b"SDH1" token(32) kind(1) len(4) JSON     kind P, M, A or L
     P only: len(4) message ... len(4)=0               header .. trailer, then end
     host:   len(4) JSON                               {"ok": ...} or {"error": ...}
 
@@ -45,10 +45,11 @@ from typing import Any
 import pyarrow as pa
 
 from ..errors import TransferError
+from . import codec
 from .lifetime import alive, spawn, write_private
 from .partition import LaneLostError, PartitionStream
 from .protocol import CommittedPartition, Complete, ProtocolError
-from .report import ConnectionStats
+from .report import ConnectionStats, with_choice
 from .spec import TransferSpec
 
 log = logging.getLogger(__name__)
@@ -57,6 +58,7 @@ MAGIC = b"SDH1"
 KIND_PARTITION = b"P"
 KIND_MANIFEST = b"M"
 KIND_ABORT = b"A"
+KIND_LINK = b"L"  # compression=auto: what the host's connections carry (no frames)
 _LEN = struct.Struct(">I")
 MAX_REQUEST = 64 * 1024 * 1024  # a manifest of many partitions is still far below
 HOST_START_WAIT = 30.0  # a host being started: how long a task waits for its socket
@@ -304,7 +306,7 @@ def send_partition_via_host(
     # The host enforces the real deadlines and explains them; this one only
     # bounds a host that stopped answering.
     sock.settimeout(opts.lane_start_timeout + 2 * opts.reconnect_timeout + 30)
-    stream = PartitionStream(spec, partition, attempt)
+    stream = PartitionStream(spec, partition, attempt, link=lambda: host_link(spec, partition))
     with sock:
         try:
             for message in stream.messages(batches):
@@ -318,7 +320,19 @@ def send_partition_via_host(
     done = Complete.from_body(answer["complete"])
     stats = answer["stats"]
     stats["paths"] = tuple(stats["paths"])
-    return stream.committed(done, done.lane), ConnectionStats(**stats)
+    return stream.committed(done, done.lane), with_choice(ConnectionStats(**stats), stream.choice)
+
+
+def host_link(spec: TransferSpec, partition: int) -> codec.Link:
+    """The link to ``partition``'s lane as this machine's host sees it (it holds the
+    connections and measures); the host answers once that connection is up."""
+    sock = _connect(spec, KIND_LINK, {"partition": partition})
+    if sock is None:
+        return codec.current_link(spec.transfer_id)
+    sock.settimeout(spec.options.lane_start_timeout + 30)
+    with sock:
+        answer = _reply(sock, "the link query")
+    return codec.observed_link(str(answer["path"]), answer["rate"])
 
 
 def _host_error_or(sock: socket.socket, what: str, error: OSError) -> BaseException:

@@ -20,6 +20,9 @@ from ..errors import DilationError
 # Defined here, not in protocol.py, so that Spark's data source lookup, which
 # imports this module, does not load the wormhole stack (Twisted) with it.
 COMPRESSIONS = ("none", "lz4", "zstd")
+# What option compression takes: a codec, or "auto" (chosen per partition from
+# this machine's compression speed and the link's rate; see transfer/codec.py).
+COMPRESSION_OPTIONS = ("auto", *COMPRESSIONS)
 EARLY_LANES = ("auto", "true", "false")
 SURFACES = ("python", "spark", "cli")
 # The CLI's flags for the options it exposes under another name.
@@ -63,7 +66,9 @@ class TransferOptions:
       failed (refused, timed out) gives up this many seconds after its first
       round of attempts failed, with one error naming the relay and each hint.
     * ``idle_timeout``: seconds a lane waits without any sender activity.
-    * ``compression``: Arrow IPC body compression, ``none``, ``lz4`` or ``zstd``.
+    * ``compression``: Arrow IPC body compression, ``auto`` (per partition:
+      ``none`` on fast links, ``lz4`` or ``zstd`` where the link is slower
+      than compressing; :mod:`.codec`), ``none``, ``lz4`` or ``zstd``.
     * ``early_lanes``: start the receiving lanes as soon as the code is agreed
       (during ``load()``), not when the first action's tasks run, so the
       sender streams while the reader plans. ``auto``: when the reader's tasks
@@ -86,7 +91,7 @@ class TransferOptions:
     reconnect_timeout: float = 120.0
     no_path_timeout: float = 15.0
     idle_timeout: float = 600.0
-    compression: str = "none"
+    compression: str = "auto"
     staging_dir: str | None = None
     no_listen: bool = False
     early_lanes: str = "auto"
@@ -117,9 +122,10 @@ class TransferOptions:
             )
         if self.surface not in SURFACES:
             raise TransferOptionError(f"surface={self.surface!r} is not one of {SURFACES}")
-        if self.compression not in COMPRESSIONS:
+        if self.compression not in COMPRESSION_OPTIONS:
             raise TransferOptionError(
-                f"option compression={self.compression!r} is not one of {', '.join(COMPRESSIONS)}"
+                f"option compression={self.compression!r} is not one of "
+                f"{', '.join(COMPRESSION_OPTIONS)}"
             )
 
     @property

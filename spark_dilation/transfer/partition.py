@@ -8,11 +8,13 @@ in-process path (:func:`.sender.send_partition`) uses the same pieces.
 
 from __future__ import annotations
 
-from collections.abc import Iterable, Iterator
+import itertools
+from collections.abc import Callable, Iterable, Iterator
 
 import pyarrow as pa
 
 from ..errors import TransferError
+from . import codec
 from .options import TransferOptions
 from .protocol import (
     CommittedPartition,
@@ -106,11 +108,36 @@ class PartitionStream:
     caller must close without a trailer, so the lane drops the attempt.
     """
 
-    def __init__(self, spec: TransferSpec, partition: int, attempt: int) -> None:
+    def __init__(
+        self,
+        spec: TransferSpec,
+        partition: int,
+        attempt: int,
+        link: Callable[[], codec.Link] | None = None,
+    ) -> None:
         self.spec = spec
         self.partition = partition
         self.attempt = attempt
-        self.encoder = PartitionEncoder(spec.schema, spec.compression)
+        # compression=auto: the encoder is made at the first batch, when the
+        # codec is chosen; ``link`` says what the connection carries (default:
+        # what this process observed; a sender host's tasks ask the host).
+        self._link = link or (lambda: codec.current_link(spec.transfer_id))
+        self.choice: codec.Choice | None = None
+        self.encoder = PartitionEncoder(spec.schema, self._fixed_compression())
+
+    def _fixed_compression(self) -> str:
+        return "none" if self.spec.compression == codec.AUTO else self.spec.compression
+
+    def _choose(self, first: pa.RecordBatch | None) -> None:
+        """compression=auto: pick this partition's codec from the first batch and the link."""
+        spec = self.spec
+        link = self._link()
+        costs: tuple[codec.CpuCost, ...] = ()
+        if first is not None and link.mb_per_s < codec.FAST_LINK_MB_S:  # fast: pay nothing
+            costs = codec.measure(first, spec.fingerprint)
+        self.choice = codec.choose(costs, link)
+        codec.note_choice(spec.transfer_id, self.partition, self.choice)
+        self.encoder = PartitionEncoder(spec.schema, self.choice.ipc_compression())
 
     @property
     def rows(self) -> int:
@@ -121,10 +148,23 @@ class PartitionStream:
         return self.encoder.bytes
 
     def messages(self, batches: Iterable[pa.RecordBatch]) -> Iterator[bytes]:
-        spec, encoder = self.spec, self.encoder
+        spec = self.spec
         fail_after = injected_failure(spec.options.test_fail, "sender-mid-partition", self.attempt)
+        batches = iter(batches)
+        compression = spec.compression
+        if compression == codec.AUTO:
+            # The header waits for the first batch: it names the codec chosen.
+            first = next(batches, None)
+            if first is not None:
+                first = conform(first, spec.schema)
+            self._choose(first)
+            assert self.choice is not None
+            compression = self.choice.codec
+            if first is not None:
+                batches = itertools.chain([first], batches)
+        encoder = self.encoder
         yield PartitionHeader(
-            spec.transfer_id, self.partition, self.attempt, spec.fingerprint, spec.compression
+            spec.transfer_id, self.partition, self.attempt, spec.fingerprint, compression
         ).encode()
         pause = injected_pause(spec.options.test_fail)
         if pause and self.attempt == 0:

@@ -38,6 +38,7 @@ import pyarrow as pa
 import pyarrow.ipc as ipc
 
 from ..errors import TransferError
+from .codec import AUTO, offer_compression
 from .options import COMPRESSIONS
 
 PROTOCOL = "spark-dilation/dataset"
@@ -213,9 +214,13 @@ class Offer:
             "version": VERSION,
             "transfer": self.transfer_id,
             "schema": base64.b64encode(schema_bytes(self.schema)).decode(),
-            "compression": self.compression,
+            "compression": offer_compression(self.compression),
             "source": self.source,
         }
+        if self.compression == AUTO:
+            # Optional: receivers that know it report "auto"; older ones see
+            # "zstd" and decode whatever each partition chose (Arrow IPC says).
+            body["compression_auto"] = True
         if self.rows is not None:
             body["rows"] = self.rows
         if self.bytes is not None:
@@ -233,6 +238,8 @@ class Offer:
             compression = str(body.get("compression", "none"))
             if compression not in COMPRESSIONS:
                 raise ProtocolError(f"the sender asked for unknown compression {compression!r}")
+            if body.get("compression_auto") is True:
+                compression = AUTO
             return cls(
                 transfer_id=str(body["transfer"]),
                 schema=schema_from_bytes(base64.b64decode(body["schema"])),
@@ -576,15 +583,18 @@ class PartitionEncoder:
     def __init__(
         self,
         schema: pa.Schema,
-        compression: str = "none",
+        compression: str | pa.Codec | None = "none",
         max_bytes: int = MAX_MESSAGE_BYTES,
     ) -> None:
-        if compression not in COMPRESSIONS:
-            raise ValueError(f"compression must be one of {', '.join(COMPRESSIONS)}")
+        # A codec name, or a pyarrow Codec (a level chosen by compression=auto).
+        if isinstance(compression, str):
+            if compression not in COMPRESSIONS:
+                raise ValueError(f"compression must be one of {', '.join(COMPRESSIONS)}")
+            compression = None if compression == "none" else compression
         self.schema = schema
         self.max_bytes = max_bytes
         self._capture = _Capture()
-        options = ipc.IpcWriteOptions(compression=None if compression == "none" else compression)
+        options = ipc.IpcWriteOptions(compression=compression)
         self._writer = ipc.new_stream(self._capture, schema, options=options)
         self._crc = 0
         self.rows = 0

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import json
 from collections.abc import Iterable
-from dataclasses import asdict, dataclass
+from dataclasses import asdict, dataclass, replace
 from typing import Any
 
 
@@ -19,6 +19,16 @@ class ConnectionStats:
     reconnecting: int = 0  # connections down right now and being re-established
     relay_fallbacks: int = 0  # connections relayed although both sides offered direct hints
     connecting: int = 0  # connections never up yet (first attempts under way)
+    # compression=auto: the codec this partition chose ("zstd(1)") and why.
+    codec: str = ""
+    codec_why: str = ""
+
+
+def with_choice(stats: ConnectionStats, choice: Any) -> ConnectionStats:
+    """``stats`` carrying a partition's :class:`.codec.Choice` (None: a fixed codec)."""
+    if choice is None:
+        return stats
+    return replace(stats, codec=choice.label, codec_why=choice.why)
 
 
 @dataclass(frozen=True)
@@ -38,6 +48,8 @@ class TransferReport:
     # direct hints (each logged a warning naming the hints): a firewall or a
     # routing problem between the machines. In the summary only when non-zero.
     relay_fallbacks: int = 0
+    # compression=auto: what the partitions chose and why (codec.describe()).
+    compression_detail: str = ""
 
     @property
     def rows_per_s(self) -> float:
@@ -58,7 +70,7 @@ class TransferReport:
             f"{self.lanes} lanes, {self.connections} Dilation connection(s) ({self.path}), "
             f"{self.reconnects} reconnect(s), {fallbacks}{self.seconds:.1f} s "
             f"({self.rows_per_s:,.0f} rows/s)"
-        )
+        ) + (f"; compression auto: {self.compression_detail}" if self.compression_detail else "")
 
 
 def path_of(description: str | None) -> str:

@@ -40,6 +40,7 @@ import pyarrow as pa
 from ..dilation.blocking import BlockingDilationError, DilationTimeout
 from ..dilation.manager import DilationNoPath
 from ..errors import DilationError, TransferError
+from . import codec
 from .partition import (
     InjectedFailure,
     LaneLostError,
@@ -476,10 +477,21 @@ def stream_partition(
     if not connections._track(tid, channel):
         channel.close()
         raise connections.failure(tid) or AssertionError("unreachable")
+    path = _path(conn)
+    codec.note_path(tid, path)  # compression=auto decides with it (partition.py)
+    sent, blocked, first = 0, 0.0, 0.0
     try:
         for message in messages:
+            waited = time.monotonic()
+            first = first or waited
             channel.send(message, timeout=opts.reconnect_timeout)
+            blocked += time.monotonic() - waited
+            sent += len(message)
+        waited = time.monotonic()
         reply = channel.receive(timeout=opts.reconnect_timeout + opts.lane_start_timeout)
+        now = time.monotonic()
+        blocked += now - waited
+        codec.note_wire(tid, path, codec.wire_rate(sent, now - (first or now), blocked))
     except DilationTimeout as e:
         channel.close()
         raise connections.failure(tid) or LaneLostError(
@@ -507,6 +519,13 @@ def stream_partition(
     if ended is not None and reply is not None and reply[:1] == TAG_ERROR:
         raise ended  # refused because the receiver ended the transfer: say why, once
     return Complete.from_body(_answer(reply, lane, TAG_COMPLETE, f"partition {partition}"))
+
+
+def _path(conn: Any) -> str:
+    try:
+        return path_of(conn.status().connection)
+    except DilationError:
+        return "unknown"
 
 
 def _early_answer(channel: Any) -> bytes | None:

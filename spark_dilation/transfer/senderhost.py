@@ -35,8 +35,10 @@ from collections.abc import Iterator
 from dataclasses import asdict
 
 from ..errors import DilationError, TransferError
+from . import codec
 from .hostlink import (
     KIND_ABORT,
+    KIND_LINK,
     KIND_MANIFEST,
     KIND_PARTITION,
     error_record,
@@ -51,7 +53,8 @@ from .hostlink import (
     write_answer,
 )
 from .lifetime import owner_pid, read_private, try_lock, watch
-from .protocol import CommittedPartition, ProtocolError
+from .protocol import CommittedPartition, ProtocolError, lane_of
+from .report import path_of
 from .sender import ConnectionPool, deliver_abort, deliver_manifest, stream_partition
 from .spec import TransferSpec
 
@@ -213,6 +216,19 @@ class SenderHost:
                 self._done.set()
             # Every connection this host opened (its own and the manifest's).
             return {"opened": opened, "stats": asdict(self.pool.stats(spec.transfer_id))}
+        if kind == KIND_LINK:
+            # The path of the partition's lane connection: the partition waits
+            # for that connection anyway (within lane_start_timeout), so this costs
+            # nothing; if it fails, the partition's own stream says why.
+            lane = lane_of(int(request["partition"]), spec.lanes)
+            path = "unknown"
+            with contextlib.suppress(DilationError, TransferError, TimeoutError):
+                wait = spec.options.lane_start_timeout
+                conn = self.pool.get(spec, lane, time.monotonic() + wait)
+                conn.wait_dilated(timeout=wait)
+                path = path_of(conn.status().connection)
+            known, rate = codec.link_state(spec.transfer_id)
+            return {"path": path if path != "unknown" else known, "rate": rate}
         if kind == KIND_ABORT:
             try:
                 deliver_abort(

@@ -20,7 +20,13 @@ from typing import Any
 import pyarrow as pa
 
 from .protocol import CommittedPartition
-from .report import ConnectionStats, TransferReport, merge_relay_fallbacks, merge_stats
+from .report import (
+    ConnectionStats,
+    TransferReport,
+    merge_relay_fallbacks,
+    merge_stats,
+    with_choice,
+)
 from .spec import TransferSpec
 
 log = logging.getLogger(__name__)
@@ -51,11 +57,13 @@ def send(
             via_host = send_partition_via_host(spec, partition, attempt, batches)
         if via_host is not None:
             return via_host
+    from .codec import choice_of
     from .sender import pool, send_partition
 
     connections = pool()
     committed = send_partition(spec, partition, attempt, batches, connections=connections)
-    return committed, connections.stats(spec.transfer_id)
+    choice = choice_of(spec.transfer_id, partition)
+    return committed, with_choice(connections.stats(spec.transfer_id), choice)
 
 
 def commit(
@@ -97,7 +105,14 @@ def commit(
         seconds=round(time.time() - started, 3),
         compression=spec.compression,
         relay_fallbacks=merge_relay_fallbacks(stats),
+        compression_detail=_detail(spec, stats),
     )
+
+
+def _detail(spec: TransferSpec, stats: list[ConnectionStats]) -> str:
+    from .codec import AUTO, describe, stats_choices
+
+    return describe(stats_choices(stats)) if spec.compression == AUTO else ""
 
 
 def abort(spec: TransferSpec, reason: str, timeout: float = 30.0) -> None:

@@ -1,0 +1,327 @@
+"""Spark to Spark over a shaped relay-only link, against the manual handoff, same run.
+
+Usage (root: network namespaces and ``tc``; not run by the tests)::
+
+    python benchmarks/link_bound.py                                 # 10M rows, 100mbit
+    python benchmarks/link_bound.py --rows 1000000 --rate 100mbit --repeat 1
+    python benchmarks/link_bound.py --cases auto,zstd --repeat 3    # medians of 3 runs
+
+What it builds (and tears down at the end, on errors and on Ctrl-C)::
+
+    lb<id>-a 10.88.1.2 --veth-- 10.88.1.1 lb<id>-srv 10.88.2.1 --veth-- 10.88.2.2 lb<id>-b
+    (sending Spark app)        mailbox server + transit relay         (receiving Spark app)
+
+No namespace forwards or routes to the other peer's subnet, so the peers
+meet only through the relay. Both ends of both veths get ``tc qdisc add dev
+X root tbf rate RATE burst 32kbit latency 400ms``. The link is measured with
+one TCP stream (peer a to the server namespace, ``--probe-mb``).
+
+Cases, each with the benchmark's data (``spark.range(N)``: ``id``, ``rand()``
+as ``x``, a 16-character hex string ``s``; ``--partitions``), ``local[2]``
+applications (one JVM per side):
+
+- ``manual``: Spark writes Parquet, ``spark-dilation send --classic`` sends
+  the folder through the relay, the other application reads it and counts;
+  seconds = write + transfer + read.
+- ``auto`` (the default options), ``none``, ``lz4``, ``zstd``: one
+  application writes ``format("dilation")`` with that ``compression``
+  (``auto``: none given), the other loads and counts; seconds from the later
+  of ``save()``/``load()`` to the end of ``count()``.
+
+One JSON object per case (the median run with ``--repeat``): ``seconds``,
+``wire_bytes`` (bytes the sender's link carried towards the relay, from
+``ip -s link`` on the server's end of peer a's veth), ``link_mb_s`` (the TCP
+probe), ``wire_bound_s`` (``wire_bytes`` / link rate: the least time those
+bytes need), and for the dilation cases the report's ``mb`` (Arrow IPC bytes),
+``compression`` and ``compression_detail``. MB means 10**6 bytes.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import secrets
+import signal
+import statistics
+import subprocess
+import sys
+import tempfile
+from pathlib import Path
+from typing import Any
+
+ROOT = Path(__file__).resolve().parent.parent
+HERE = Path(__file__).resolve().parent
+sys.path.insert(0, str(HERE))
+from spark_transfer import PEER, REPORT, _json_line  # noqa: E402
+
+MB = 1_000_000
+MAILBOX_PORT = 4000
+RELAY_PORT = 4001
+PROBE_PORT = 5001
+CASES = ("manual", "auto", "none", "lz4", "zstd")
+
+
+def sh(*argv: str, check: bool = True) -> str:
+    proc = subprocess.run(argv, capture_output=True, text=True, stdin=subprocess.DEVNULL)
+    if check and proc.returncode:
+        raise RuntimeError(f"{' '.join(argv)} failed ({proc.returncode}): {proc.stderr.strip()}")
+    return proc.stdout
+
+
+class Topology:
+    """Three namespaces, two shaped veths; :meth:`close` removes everything it made."""
+
+    def __init__(self, rate: str) -> None:
+        self.id = secrets.token_hex(2)
+        self.ns = {side: f"lb{self.id}-{side}" for side in ("a", "b", "srv")}
+        self.addr = {"a": "10.88.1.2", "b": "10.88.2.2"}
+        self.gateway = {"a": "10.88.1.1", "b": "10.88.2.1"}
+        self.procs: list[subprocess.Popen] = []
+        self.made: list[str] = []
+        self.rate = rate
+
+    def build(self) -> None:
+        for ns in self.ns.values():
+            sh("ip", "netns", "add", ns)
+            self.made.append(ns)
+            sh("ip", "netns", "exec", ns, "ip", "link", "set", "lo", "up")
+        srv = self.ns["srv"]
+        for side in ("a", "b"):
+            outer = self.srv_dev(side)
+            sh("ip", "link", "add", outer, "netns", srv, "type", "veth",
+               "peer", "name", "eth0", "netns", self.ns[side])  # fmt: skip
+            sh("ip", "netns", "exec", srv, "ip", "addr", "add", f"{self.gateway[side]}/24",
+               "dev", outer)  # fmt: skip
+            sh("ip", "netns", "exec", srv, "ip", "link", "set", outer, "up")
+            sh("ip", "netns", "exec", self.ns[side], "ip", "addr", "add",
+               f"{self.addr[side]}/24", "dev", "eth0")  # fmt: skip
+            sh("ip", "netns", "exec", self.ns[side], "ip", "link", "set", "eth0", "up")
+            for ns, dev in ((srv, outer), (self.ns[side], "eth0")):
+                sh("ip", "netns", "exec", ns, "tc", "qdisc", "add", "dev", dev, "root", "tbf",
+                   "rate", self.rate, "burst", "32kbit", "latency", "400ms")  # fmt: skip
+        # The server namespace must not forward between the peers: relay only.
+        sh("ip", "netns", "exec", srv, "sh", "-c", "echo 0 > /proc/sys/net/ipv4/ip_forward")
+
+    def srv_dev(self, side: str) -> str:
+        return f"v{self.id}{side}"
+
+    def exec(self, side: str) -> list[str]:
+        return ["ip", "netns", "exec", self.ns[side]]
+
+    def start_servers(self) -> None:
+        proc = subprocess.Popen(
+            [*self.exec("srv"), sys.executable, "-m", "spark_dilation.servers", "--interface",
+             "0.0.0.0", "--mailbox-port", str(MAILBOX_PORT), "--relay-port", str(RELAY_PORT),
+             "--ready-json"],
+            stdout=subprocess.PIPE, stderr=subprocess.DEVNULL, start_new_session=True,
+        )  # fmt: skip
+        self.procs.append(proc)
+        assert proc.stdout is not None
+        line = proc.stdout.readline()
+        if not line.startswith(b"{"):
+            raise RuntimeError(f"the servers did not start: {line!r}")
+
+    def mailbox(self, side: str) -> str:
+        return f"ws://{self.gateway[side]}:{MAILBOX_PORT}/v1"
+
+    def relay(self, side: str) -> str:
+        return f"tcp:{self.gateway[side]}:{RELAY_PORT}"
+
+    def wire_bytes(self) -> int:
+        """Bytes peer a's link carried towards the server so far (its veth's rx there)."""
+        out = sh(*self.exec("srv"), "ip", "-j", "-s", "link", "show", "dev", self.srv_dev("a"))
+        return int(json.loads(out)[0]["stats64"]["rx"]["bytes"])
+
+    def close(self) -> None:
+        for proc in self.procs:
+            if proc.poll() is None:
+                with_suppressed(os.killpg, proc.pid, signal.SIGKILL)
+                proc.wait(10)
+        for ns in self.made:
+            for pid in sh("ip", "netns", "pids", ns, check=False).split():
+                with_suppressed(os.kill, int(pid), signal.SIGKILL)
+            sh("ip", "netns", "del", ns, check=False)  # takes its veth ends with it
+        self.made.clear()
+
+
+def with_suppressed(fn: Any, *args: Any) -> None:
+    try:
+        fn(*args)
+    except (ProcessLookupError, PermissionError):
+        pass
+
+
+# --- the link probe -----------------------------------------------------------------------------
+
+_SINK = f"""
+import socket
+s = socket.socket(); s.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+s.bind(("0.0.0.0", {PROBE_PORT})); s.listen(1); print("ready", flush=True)
+c, _ = s.accept()
+while c.recv(1 << 20):
+    pass
+c.sendall(b"k"); c.close()
+"""
+
+_SOURCE = """
+import socket, sys, time
+n = int(sys.argv[2]) * 1_000_000
+c = socket.create_connection((sys.argv[1], {port}))
+chunk = bytes(1 << 20); t0 = time.monotonic(); sent = 0
+while sent < n:
+    c.sendall(chunk); sent += len(chunk)
+c.shutdown(socket.SHUT_WR); c.recv(1)
+print(sent / (time.monotonic() - t0) / 1e6)
+""".replace("{port}", str(PROBE_PORT))
+
+
+def probe_link(topo: Topology, mb: int) -> float:
+    """MB/s of one TCP stream from peer a to the server namespace."""
+    sink = subprocess.Popen(
+        [*topo.exec("srv"), sys.executable, "-c", _SINK], stdout=subprocess.PIPE
+    )
+    topo.procs.append(sink)
+    assert sink.stdout is not None
+    sink.stdout.readline()
+    out = sh(*topo.exec("a"), sys.executable, "-c", _SOURCE, topo.gateway["a"], str(mb))
+    sink.wait(30)
+    return float(out.strip())
+
+
+# --- cases ----------------------------------------------------------------------------------------
+
+
+def run_dilation(args: argparse.Namespace, topo: Topology, tmp: Path, case: str, n: int) -> dict:
+    code = f"{700 + n}-link-{case}"
+    send_err, recv_err = tmp / f"send-{case}-{n}.stderr", tmp / f"recv-{case}-{n}.stderr"
+    options = [] if case == "auto" else ["--option", f"compression={case}"]
+
+    def common(side: str) -> list[str]:
+        return ["--code", code, "--mailbox", topo.mailbox(side), "--relay", topo.relay(side)]
+
+    before = topo.wire_bytes()
+    receiver = subprocess.Popen(
+        [*topo.exec("b"), *PEER, "receive", *common("b"), "--no-show", "--register",
+         "--option", f"lanes={args.lanes}", "--option", f"staging_dir={tmp / 'staging'}"],
+        stdout=subprocess.PIPE, stderr=recv_err.open("w"), start_new_session=True,
+    )  # fmt: skip
+    sender = subprocess.Popen(
+        [*topo.exec("a"), *PEER, "send", *common("a"), "--register", "--shape", "bench",
+         "--rows", str(args.rows), "--partitions", str(args.partitions), *options],
+        stdout=subprocess.PIPE, stderr=send_err.open("w"), start_new_session=True,
+    )  # fmt: skip
+    topo.procs += [receiver, sender]
+    sent = _json_line(sender.communicate(timeout=3600)[0])
+    got = _json_line(receiver.communicate(timeout=3600)[0])
+    wire = topo.wire_bytes() - before
+    for side in (sent, got):
+        if "error" in side:
+            raise RuntimeError(f"{case}: {side['error']}")
+    report = next(
+        json.loads(line[len(REPORT) :])
+        for line in send_err.read_text().splitlines()
+        if line.startswith(REPORT)
+    )
+    if got["count"] != args.rows:
+        raise RuntimeError(f"{case}: {got['count']} rows arrived of {args.rows}")
+    return {
+        "case": f"dilation {case}",
+        "seconds": round(got["t1"] - max(sent["t0"], got["t0"]), 3),
+        "wire_bytes": wire,
+        "mb": round(report["bytes"] / MB, 1),
+        "path": report["path"],
+        "compression": report["compression"],
+        "compression_detail": report.get("compression_detail", ""),
+    }
+
+
+def run_manual(args: argparse.Namespace, topo: Topology, tmp: Path, n: int) -> dict:
+    code = f"{600 + n}-link-manual"
+    go = tmp / f"go-{n}"
+    script = str(HERE / "spark_transfer.py")
+
+    def common(side: str) -> list[str]:
+        return ["--mailbox", topo.mailbox(side), "--relay", topo.relay(side), "--code", code]
+
+    before = topo.wire_bytes()
+    receiver = subprocess.Popen(
+        [*topo.exec("b"), sys.executable, script, "_manual_receive", *common("b"),
+         "--go", str(go), "--dir", str(tmp / f"manual-in-{n}")],
+        stdout=subprocess.PIPE, stderr=(tmp / f"mrecv-{n}.stderr").open("w"),
+        start_new_session=True,
+    )  # fmt: skip
+    sender = subprocess.Popen(
+        [*topo.exec("a"), sys.executable, script, "_manual_send", *common("a"), "--go", str(go),
+         "--dir", str(tmp / f"manual-out-{n}"), "--rows", str(args.rows),
+         "--partitions", str(args.partitions)],
+        stdout=subprocess.PIPE, stderr=(tmp / f"msend-{n}.stderr").open("w"),
+        start_new_session=True,
+    )  # fmt: skip
+    topo.procs += [receiver, sender]
+    sent = _json_line(sender.communicate(timeout=3600)[0])
+    got = _json_line(receiver.communicate(timeout=3600)[0])
+    if got.get("rows") != args.rows:
+        raise RuntimeError(f"manual handoff read {got}")
+    return {
+        "case": "manual",
+        "seconds": round(sent["write_s"] + got["receive_s"] + got["read_s"], 3),
+        "wire_bytes": topo.wire_bytes() - before,
+        "write_s": sent["write_s"],
+        "send_s": got["receive_s"],
+        "read_s": got["read_s"],
+    }
+
+
+def main() -> None:
+    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    p.add_argument("--rows", type=int, default=10_000_000)
+    p.add_argument("--rate", default="100mbit", help="tbf rate of both peer links")
+    p.add_argument("--partitions", type=int, default=8)
+    p.add_argument("--lanes", type=int, default=2)
+    p.add_argument("--repeat", type=int, default=1)
+    p.add_argument("--cases", default=",".join(CASES))
+    p.add_argument("--probe-mb", type=int, default=20, help="MB the TCP link probe sends")
+    args = p.parse_args()
+    if os.geteuid() != 0:
+        sys.exit("link_bound.py needs root (network namespaces, tc)")
+    cases = [c for c in args.cases.split(",") if c]
+    env = os.environ
+    env.setdefault("PYSPARK_PYTHON", sys.executable)
+    env["SPARK_LOCAL_IP"] = "127.0.0.1"  # each namespace's Spark on its own loopback
+    env["SPARK_LOCAL_HOSTNAME"] = "localhost"  # the namespaces cannot resolve the hostname
+    env.pop("SPARK_DILATION_RELAY", None)
+    env.pop("SPARK_DILATION_MAILBOX", None)
+    env["PYTHONPATH"] = os.pathsep.join(filter(None, [str(ROOT), env.get("PYTHONPATH")]))
+    topo = Topology(args.rate)
+    # Ctrl-C or SIGTERM: unwind through the finally below, which tears down.
+    signal.signal(signal.SIGTERM, lambda *_: sys.exit(143))
+    results: dict[str, list[dict[str, Any]]] = {c: [] for c in cases}
+    try:
+        topo.build()
+        topo.start_servers()
+        link = probe_link(topo, args.probe_mb)
+        print(json.dumps({"case": "link", "rate": args.rate, "link_mb_s": round(link, 2)}))
+        with tempfile.TemporaryDirectory(prefix="link-bound-") as tmpdir:
+            tmp = Path(tmpdir)
+            for n in range(args.repeat):
+                for case in cases:
+                    if case == "manual":
+                        r = run_manual(args, topo, tmp, n)
+                    else:
+                        r = run_dilation(args, topo, tmp, case, n)
+                    r.update(rows=args.rows, link_mb_s=round(link, 2))
+                    r["wire_bound_s"] = round(r["wire_bytes"] / (link * MB), 2)
+                    results[case].append(r)
+        for case in cases:
+            runs = results[case]
+            median = statistics.median(r["seconds"] for r in runs)
+            best = dict(min(runs, key=lambda r: abs(r["seconds"] - median)))
+            best["runs"] = [r["seconds"] for r in runs]
+            print(json.dumps(best), flush=True)
+    finally:
+        topo.close()
+
+
+if __name__ == "__main__":
+    main()
