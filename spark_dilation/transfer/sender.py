@@ -38,7 +38,6 @@ import crochet
 import pyarrow as pa
 
 from ..dilation.blocking import BlockingDilationError, DilationTimeout
-from ..dilation.manager import DilationNoPath
 from ..errors import DilationError, TransferError
 from . import codec
 from .partition import (
@@ -165,10 +164,9 @@ class ConnectionPool:
                 conn = self._conns.get(key)
             if conn is not None and conn._error is None and not conn._closed:
                 return conn
-            if conn is not None and isinstance(conn._error, DilationNoPath):
-                # No path to this lane over these hints: a new connection finds
-                # none either, so every later partition fails at once with it.
-                raise conn._error
+            # A connection that found no path is made again too: its lane may have
+            # been replaced by one on another machine (a Python API send stops at
+            # its first failure anyway).
             if conn is not None:
                 self.evict(spec.transfer_id, lane, conn)
             try:
@@ -587,7 +585,7 @@ def deliver_control(
             with conn.open(CONTROL_SUBPROTOCOL, timeout=timeout) as channel:
                 channel.send(message, timeout=timeout)
                 reply = channel.receive(timeout=max(1.0, deadline - time.monotonic()))
-        except BlockingDilationError as e:
+        except DilationError as e:  # gone, given up, or never reached (no path): again
             connections.evict(spec.transfer_id, lane, conn)
             raise LaneLostError(f"lane {lane} went away during {what}: {e}") from e
         if reply is None:
