@@ -1,11 +1,12 @@
 # make test: the whole suite. make demo: a real transfer against embedded servers.
 # Both create .venv and install what they need on a fresh machine.
+# make test-oldest: a smoke run on the oldest supported PySpark (4.0.x) in its own venv.
 PYTHON ?= python3
 VENV   ?= .venv
 PY      = $(VENV)/bin/python
 STAMP   = $(VENV)/.installed-$(shell cat pyproject.toml | cksum | cut -d' ' -f1)
 
-.PHONY: test demo lint format check-java venv bytecode clean
+.PHONY: test test-oldest venv-oldest demo lint format check-java venv bytecode clean
 
 venv: $(STAMP)
 
@@ -30,6 +31,42 @@ test: venv bytecode check-java
 	$(PY) -m ruff check .
 	$(PY) -m pytest
 
+# The oldest PySpark the [spark] extra allows, in its own venv: .[test] brings
+# the newest PySpark, so the constraint keeps pyspark at 4.0.x while pip
+# resolves everything else. The smoke run covers the schema conversions 4.0
+# does differently, a Spark->Spark transfer with exact content, a Python
+# source into Spark and one Spark Connect transfer (about 2 minutes);
+# SPARK_DILATION_EXPECT_PYSPARK makes tests/test_pyspark_version.py fail if the
+# run did not use that PySpark (Spark's workers run this venv's Python too).
+OLDEST_PYSPARK = 4.0
+OLDEST_VENV   ?= .venv-pyspark40
+OLDEST_PY      = $(OLDEST_VENV)/bin/python
+OLDEST_STAMP   = $(OLDEST_VENV)/.installed-$(shell (cat pyproject.toml; echo $(OLDEST_PYSPARK)) | cksum | cut -d' ' -f1)
+OLDEST_TESTS   = tests/test_pyspark_version.py \
+	tests/test_spark_files.py::test_nested_nullability_survives_both_ways \
+	tests/test_spark_files.py::test_rarer_arrow_types_are_cast \
+	tests/test_spark_transfer.py::test_spark_to_spark_all_types_exact \
+	tests/test_spark_transfer.py::test_python_table_and_parquet_into_spark \
+	tests/test_spark_connect.py::test_register_on_a_classic_session_is_idempotent \
+	tests/test_spark_connect.py::test_classic_writer_to_connect_reader
+
+venv-oldest: $(OLDEST_STAMP)
+
+$(OLDEST_STAMP): pyproject.toml
+	@$(PYTHON) -c 'import sys; sys.exit(0 if sys.version_info >= (3, 11) else "Python 3.11+ is required (found %s)" % sys.version.split()[0])'
+	test -x $(OLDEST_PY) || $(PYTHON) -m venv $(OLDEST_VENV)
+	$(OLDEST_PY) -m pip install --quiet --upgrade pip
+	echo 'pyspark==$(OLDEST_PYSPARK).*' > $(OLDEST_VENV)/constraints.txt
+	$(OLDEST_PY) -m pip install --quiet -c $(OLDEST_VENV)/constraints.txt 'pyspark[connect]==$(OLDEST_PYSPARK).*'
+	$(OLDEST_PY) -m pip install --quiet -c $(OLDEST_VENV)/constraints.txt -e '.[test]'
+	rm -f $(OLDEST_VENV)/.installed-*
+	touch $@
+
+test-oldest: venv-oldest check-java
+	@$(OLDEST_PY) -m compileall -q spark_dilation pyspark_dilation.py
+	@$(OLDEST_PY) -c 'import pyspark; print("PySpark", pyspark.__version__, "in", "$(OLDEST_VENV)")'
+	SPARK_DILATION_EXPECT_PYSPARK=$(OLDEST_PYSPARK) $(OLDEST_PY) -m pytest $(OLDEST_TESTS)
+
 demo: venv bytecode check-java
 	$(VENV)/bin/spark-dilation demo
 
@@ -42,4 +79,4 @@ format: venv
 	$(PY) -m ruff check --fix .
 
 clean:
-	rm -rf $(VENV) build dist *.egg-info .pytest_cache .ruff_cache .hypothesis
+	rm -rf $(VENV) $(OLDEST_VENV) build dist *.egg-info .pytest_cache .ruff_cache .hypothesis

@@ -11,6 +11,7 @@ from __future__ import annotations
 import datetime as dt
 import decimal
 import json
+import time
 from collections.abc import Callable, Iterator, Sequence
 from pathlib import Path
 from typing import Any
@@ -22,12 +23,14 @@ import pyarrow.parquet as pq
 import pytest
 from test_cli import (
     Running,
+    assert_failed,
     assert_ok,
     free_port,
     last_error_line,
     new_code,
     only_error_line,
     ours,
+    ref,
     run,
 )
 
@@ -296,6 +299,36 @@ def test_dataset_wrong_code_fails_both_sides(
     assert "mistyped" in only_error_line(received), received.describe()
     assert "mistyped" in last_error_line(sent), sent.describe()
     assert not list(tmp_path.glob("dataset-*"))
+
+
+def test_reference_wormhole_receive_is_told_how_to_take_a_dataset(
+    mailbox_url: str, relay_url: str, procs: Callable[..., Running], tmp_path: Path
+) -> None:
+    """`wormhole receive` (0.24) given a dataset code prints how to take it and exits."""
+    pq.write_table(flat(10), tmp_path / "a.parquet")
+    sender = procs(send_cmd(mailbox_url, relay_url, str(tmp_path / "a.parquet")))
+    code = sender.wait_for_code()
+    started = time.monotonic()
+    received = run(
+        ref(mailbox_url, "--transit-helper", relay_url, "receive", "--hide-progress", code)
+    )
+    received_s = time.monotonic() - started
+    sent = sender.finish()
+    sent_s = time.monotonic() - started
+    print(f"wormhole receive ended after {received_s:.1f} s, our sender after {sent_s:.1f} s")
+    print(received.describe(), sent.describe(), sep="\n")
+    assert_failed(received)
+    assert (
+        "TransferError: this code carries a spark-dilation dataset, which `wormhole receive` "
+        "cannot take" in received.stderr
+    ), received.describe()
+    assert "`spark-dilation receive CODE`" in received.stderr, received.describe()
+    line = last_error_line(sent)
+    assert f"the receiver of the code {code} is a plain wormhole client" in line, sent.describe()
+    assert "Send again with a new code" in line, sent.describe()
+    # Both end as soon as the versions are exchanged (about a second); the
+    # bound only tells an end from a hang (run() gives up after TIMEOUT).
+    assert received_s < 30 and sent_s < 30, (received_s, sent_s)
 
 
 def test_receiver_refuses_csv_for_nested_columns_and_a_full_folder(

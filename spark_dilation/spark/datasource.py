@@ -18,6 +18,7 @@ on a real cluster set option ``staging_dir`` to storage every executor sees.
 
 from __future__ import annotations
 
+import inspect
 import json
 import logging
 import os
@@ -31,7 +32,7 @@ import pyarrow as pa
 from pyspark.errors import PySparkException
 from pyspark.sql.datasource import DataSource, DataSourceReader, InputPartition
 from pyspark.sql.pandas.types import from_arrow_type, to_arrow_schema
-from pyspark.sql.types import DataType, StructField, StructType
+from pyspark.sql.types import ArrayType, DataType, MapType, StructField, StructType
 
 from ..errors import DilationError
 from ..transfer.options import TransferOptions
@@ -97,6 +98,34 @@ def _erase_ntz(data_type: DataType) -> str:
     return data_type.json().replace('"timestamp_ntz"', '"timestamp"')
 
 
+def _keep_nullability(spark_type: DataType, arrow_type: pa.DataType) -> DataType:
+    """``spark_type`` with the nullability of list elements and map values in ``arrow_type``.
+
+    PySpark 4.0's ``from_arrow_type`` makes every element and value nullable;
+    4.1+ keeps the Arrow field's flag, which this does on 4.0 too.
+    """
+    if isinstance(spark_type, ArrayType):
+        value = arrow_type.value_field
+        element = _keep_nullability(spark_type.elementType, value.type)
+        return ArrayType(element, containsNull=value.nullable)
+    if isinstance(spark_type, MapType):
+        item = arrow_type.item_field
+        value_type = _keep_nullability(spark_type.valueType, item.type)
+        return MapType(
+            _keep_nullability(spark_type.keyType, arrow_type.key_type),
+            value_type,
+            valueContainsNull=item.nullable,
+        )
+    if isinstance(spark_type, StructType):
+        return StructType(
+            [
+                StructField(f.name, _keep_nullability(f.dataType, a.type), f.nullable, f.metadata)
+                for f, a in zip(spark_type.fields, arrow_type, strict=True)
+            ]
+        )
+    return spark_type
+
+
 def to_spark_schema(schema: pa.Schema) -> StructType:
     """The Spark schema for data with this Arrow schema (see ``spark_compatible_type``).
 
@@ -109,7 +138,9 @@ def to_spark_schema(schema: pa.Schema) -> StructType:
     fields = []
     for original, compatible in zip(schema, spark_compatible_schema(schema), strict=True):
         try:
-            spark_type = from_arrow_type(compatible.type, prefer_timestamp_ntz=True)
+            spark_type = _keep_nullability(
+                from_arrow_type(compatible.type, prefer_timestamp_ntz=True), compatible.type
+            )
         except (PySparkException, TypeError) as exc:
             raise UnsupportedFormatError(
                 f"column {original.name!r} has Arrow type {original.type}, which Spark "
@@ -122,6 +153,21 @@ def to_spark_schema(schema: pa.Schema) -> StructType:
             spark_type = written
         fields.append(StructField(original.name, spark_type, nullable=compatible.nullable))
     return StructType(fields)
+
+
+def spark_arrow_schema(schema: StructType) -> pa.Schema:
+    """The Arrow schema Spark checks a Python data source's batches against.
+
+    Instants (``TimestampType``) are UTC timestamps on every PySpark 4, but
+    PySpark 4.0 says so with ``timestamp_utc=True`` (its default) and 4.1+
+    with ``timezone="UTC"`` (its default is zone-less).
+    """
+    if "timezone" in _TO_ARROW_PARAMETERS:
+        return to_arrow_schema(schema, timezone="UTC")
+    return to_arrow_schema(schema)
+
+
+_TO_ARROW_PARAMETERS = inspect.signature(to_arrow_schema).parameters
 
 
 class DilationDataSource(DataSource):
@@ -193,7 +239,7 @@ class DilationDataSource(DataSource):
         if self._spec is not None:
             from .dataset import DatasetReader
 
-            return DatasetReader(self._spec, to_arrow_schema(schema, timezone="UTC"))
+            return DatasetReader(self._spec, spark_arrow_schema(schema))
         settings = ReadSettings.from_options(self.options)
         staged = self._staged
         if staged is None:
@@ -209,7 +255,7 @@ class DilationDataSource(DataSource):
                     "with option staged_path"
                 )
             staged = _inspect(settings, Path(settings.staged_path))
-        return StagedFileReader(staged, to_arrow_schema(schema, timezone="UTC"))
+        return StagedFileReader(staged, spark_arrow_schema(schema))
 
     def writer(self, schema: StructType, overwrite: bool) -> Any:
         """Agree on a transfer over the code (waits for the reader); the task-side sender.
@@ -233,7 +279,7 @@ class DilationDataSource(DataSource):
                 f"known options are {', '.join(WRITE_OPTIONS)}"
             )
         options = TransferOptions.from_strings(opts, ignore=("code", "path"))
-        arrow_schema = to_arrow_schema(schema, timezone="UTC")
+        arrow_schema = spark_arrow_schema(schema)
         from ..transfer import sending
 
         spec = sending.agree(arrow_schema, options, code)
@@ -246,7 +292,7 @@ class StagedFileReader(DataSourceReader):
 
     def __init__(self, staged: StagedDataset, target: pa.Schema) -> None:
         self.staged = staged
-        # Exactly what Spark checks the batches against (to_arrow_schema with UTC).
+        # Exactly what Spark checks the batches against (spark_arrow_schema).
         self.target = target
 
     def partitions(self) -> list[InputPartition]:

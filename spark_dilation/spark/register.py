@@ -10,9 +10,12 @@ call :func:`register` once per session.
 
 from __future__ import annotations
 
+import logging
 from typing import Any
 
 from ..errors import DilationError
+
+log = logging.getLogger(__name__)
 
 MIN_PYSPARK = (4, 0)
 
@@ -58,7 +61,8 @@ def register(spark: Any) -> str:
 
     Works on a classic ``SparkSession`` and on a Spark Connect session (the
     registration travels to the server). Idempotent: registering again
-    replaces the registration with the same class. Nothing here touches
+    replaces the registration with the same class (PySpark 4.0 keeps the one
+    Spark found through the shim). Nothing here touches
     ``SparkContext``.
     """
     check_pyspark()
@@ -70,5 +74,14 @@ def register(spark: Any) -> str:
             f"this Spark session ({type(spark).__module__}.{type(spark).__name__}) has no "
             "dataSource registry: spark-dilation needs a PySpark 4 session"
         )
-    data_sources.register(DilationDataSource)
+    from pyspark.errors import PySparkException
+
+    try:
+        data_sources.register(DilationDataSource)
+    except PySparkException as exc:
+        # PySpark 4.0 refuses to replace a data source Spark found by itself,
+        # which is ours (the pyspark_dilation shim): registered already.
+        if exc.getCondition() != "DATA_SOURCE_ALREADY_EXISTS":
+            raise
+        log.info("the dilation data source was registered already: %s", exc.getCondition())
     return DilationDataSource.name()

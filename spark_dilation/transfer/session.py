@@ -51,6 +51,16 @@ log = logging.getLogger(__name__)
 SESSION_APPID = offers.APPID
 
 
+# What a plain wormhole client (no spark-dilation entry in its app_versions)
+# is told, as the standard {"error": ...} message: `wormhole receive` prints it.
+PLAIN_RECEIVER_TOLD = (
+    "this code carries a spark-dilation dataset, which `wormhole receive` cannot take. "
+    "Ask the sender for a new code and receive it with `pip install spark-dilation` and "
+    "`spark-dilation receive CODE` (or in Spark: "
+    'spark.read.format("dilation").option("code", CODE).load())'
+)
+
+
 class SessionTimeout(TransferError, TimeoutError):
     pass
 
@@ -154,10 +164,15 @@ class SenderSession:
                 await w.get_verifier()
                 versions = await w.get_versions()
                 if PROTOCOL not in versions:
+                    # A plain wormhole client (`wormhole receive`) waits for a
+                    # file offer it will never get: the standard error message
+                    # makes it print ours and exit instead of hanging.
+                    w.send_message(error_message(PLAIN_RECEIVER_TOLD))
                     raise TransferError(
-                        "the other side is not a spark-dilation dataset receiver (it may be "
-                        "`wormhole receive`, which takes files: send a file with "
-                        "`spark-dilation send --classic FILE` instead)"
+                        f"the receiver of the code {self.code} is a plain wormhole client (such "
+                        "as `wormhole receive`), which cannot take a dataset; it was told how to "
+                        "receive one. Send again with a new code (or send a file with "
+                        "`spark-dilation send --classic FILE`)"
                     )
                 if session_role(versions) == SESSION_SENDER:
                     raise TransferError(
