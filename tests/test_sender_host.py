@@ -172,19 +172,23 @@ def test_the_host_runs_the_session_for_writer(opts: dict[str, Any], tmp_path: Pa
     from spark_dilation.errors import PeerTimeoutError
     from spark_dilation.transfer.hostlink import HostLaunch
 
-    # Nobody uses the code: the session's own error, same class and message.
-    launch = HostLaunch(table(1).schema, TransferOptions(**opts, peer_timeout=2), "5-nobody")
-    with pytest.raises(PeerTimeoutError, match="nobody used the code 5-nobody within 2 seconds"):
+    # Nobody uses the code: the session's own error, same class and message. High
+    # nameplates: the session's shared mailbox allocates low ones to other tests'
+    # senders, and one still waiting on nameplate 5 once took this test's code.
+    launch = HostLaunch(table(1).schema, TransferOptions(**opts, peer_timeout=2), "80005-nobody")
+    with pytest.raises(
+        PeerTimeoutError, match="nobody used the code 80005-nobody within 2 seconds"
+    ):
         launch.wait_spec()
     assert not launch.dir.exists()
 
     parts = [table(10_000, start=p * 10_000) for p in range(3)]
-    launch = HostLaunch(parts[0].schema, TransferOptions(**opts), "6-host-session")
+    launch = HostLaunch(parts[0].schema, TransferOptions(**opts), "80006-host-session")
     received: dict[str, Any] = {}
 
     def receive() -> None:
         try:
-            received["result"] = receive_dataset("6-host-session", lanes=2, **opts)
+            received["result"] = receive_dataset("80006-host-session", lanes=2, **opts)
         except BaseException as e:
             received["error"] = e
 

@@ -202,7 +202,7 @@ def test_a_sender_killed_without_a_word_ends_the_receiver_after_reconnect_timeou
     """SIGKILL of the sending process mid-partition: nothing tells the receiver, whose
     lane ends once Dilation gave up on the connection (reconnect_timeout, 5 s here)
     instead of after idle_timeout (600 s), naming the option; nothing of it is left."""
-    code = "7-killed-sender"
+    code = "80007-killed-sender"  # high: low nameplates are allocated to other tests
     sender = subprocess.Popen(
         [sys.executable, "-c", _KILLED_SENDER, code, opts["mailbox"], opts["relay"],
          str(tmp_path / "sender")],
