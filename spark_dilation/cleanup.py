@@ -28,6 +28,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import TextIO
 
+from .cli_progress import size_text
 from .transfer.lifetime import alive, try_lock
 
 KEEP_PREFIXES = ("receive-",)  # received files a user may still read
@@ -82,7 +83,7 @@ def cleanup(roots: Iterable[Path], *, dry_run: bool = False) -> list[str]:
         for entry in scan(root, open_paths):
             if entry.live is not None:
                 kept += 1
-                lines.append(f"kept {entry.path}: {entry.live} ({_size(entry.size)})")
+                lines.append(f"kept {entry.path}: {entry.live} ({size_text(entry.size)})")
                 continue
             if not dry_run:
                 shutil.rmtree(entry.path, ignore_errors=True)
@@ -92,11 +93,11 @@ def cleanup(roots: Iterable[Path], *, dry_run: bool = False) -> list[str]:
             removed += 1
             freed += entry.size
             verb = "would remove" if dry_run else "removed"
-            lines.append(f"{verb} {entry.path} ({_size(entry.size)})")
+            lines.append(f"{verb} {entry.path} ({size_text(entry.size)})")
         verb = "would remove" if dry_run else "removed"
         lines.append(
             f"{root}: {verb} {removed} stale transfer dir(s), "
-            f"{_size(freed)} {'to free' if dry_run else 'freed'}; kept {kept} in use"
+            f"{size_text(freed)} {'to free' if dry_run else 'freed'}; kept {kept} in use"
         )
     return lines
 
@@ -167,11 +168,3 @@ def _du(directory: Path) -> int:
             except OSError:
                 continue
     return total
-
-
-def _size(n: float) -> str:
-    for unit in ("B", "kB", "MB", "GB"):
-        if n < 1000 or unit == "GB":
-            return f"{n:,.0f} {unit}" if unit == "B" else f"{n:,.1f} {unit}"
-        n /= 1000
-    raise AssertionError("unreachable")

@@ -139,7 +139,7 @@ class Reporter:
             bar.n = p.rows if by_rows else p.bytes
             # tqdm shows the count and its rate; the postfix adds the other unit.
             if by_rows:
-                postfix = [_size(p.bytes), f"{_size(p.bytes_per_s)}/s"]
+                postfix = [size_text(p.bytes), f"{size_text(p.bytes_per_s)}/s"]
             else:
                 postfix = [f"{p.rows:,} rows"] if p.rows else []
             if self._down:
@@ -204,7 +204,7 @@ class FileMeter:
         )
 
 
-def _size(n: float) -> str:
+def size_text(n: float) -> str:
     for unit in ("B", "kB", "MB", "GB"):
         if n < 1000 or unit == "GB":
             return f"{n:,.0f} {unit}" if unit == "B" else f"{n:,.1f} {unit}"

@@ -909,9 +909,9 @@ def receive_agreed(
         for r in receivers:
             if r.staged:  # let its answer go out before its connections close
                 r.wait_finished(timeout=ANSWER_WAIT)
-            r.stop(linger=0)  # idempotent; records paths and reconnects
-        for r in receivers:
-            r.join_lobby()
+            # Idempotent; records paths and reconnects, and waits for the lobby to
+            # close its wormhole (a process exiting next would cut that close short).
+            r.stop(linger=0)
         shutil.rmtree(opts.staging_root / spec.transfer_id, ignore_errors=True)
     return ReceivedDataset(
         TransferReport(

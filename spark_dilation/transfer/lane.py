@@ -151,12 +151,6 @@ class LaneReceiver:
     def start(self) -> None:
         self._lobby_thread.start()
 
-    def join_lobby(self, timeout: float = 3.0) -> None:
-        """After :meth:`stop`: wait until the lobby closed its wormhole (a process about
-        to exit would otherwise drop it mid-way and log the lost mailbox connection)."""
-        if self._lobby_thread.is_alive() and self._lobby_thread is not threading.current_thread():
-            self._lobby_thread.join(timeout)
-
     def stop(self, linger: float = 2.0) -> None:
         """Close the lobby and every connection (idempotent; waits for a stop under way)."""
         with self._stop_lock:
