@@ -13,7 +13,6 @@ errors).
 from __future__ import annotations
 
 import argparse
-import contextlib
 import json
 import logging
 import os
@@ -34,7 +33,7 @@ from .transfer.options import DEFAULT_RELAY_URL, TransferOptionError, resolve_re
 from .transit import filetransfer, offers
 from .transit.connector import TransitConnector
 from .wormhole import DEFAULT_MAILBOX_URL, Wormhole
-from .wormhole.blocking import ensure_reactor
+from .wormhole.blocking import ensure_reactor, wait_result
 from .wormhole.wordlist import code_completions
 
 log = logging.getLogger("spark_dilation.cli")
@@ -348,16 +347,12 @@ def _on_reactor(fn: Callable[..., Any], *args: Any) -> Any:
     """Run ``fn(reactor, *args)`` (returns a Deferred) on the reactor; block for the result."""
     from twisted.internet import reactor
 
-    result = crochet.run_in_reactor(fn)(reactor, *args)
-    try:
-        return result.wait(timeout=10 * 365 * 86400)
-    except KeyboardInterrupt:
-        result.cancel()
-        # Let the cancel run its cleanup (close the wormhole and the transit
-        # connection), and take its CancelledError: unclaimed, it is printed.
-        with contextlib.suppress(Exception):
-            result.wait(timeout=2)
-        raise
+    forever = 10 * 365 * 86400.0  # the command's own options bound its waits
+    return wait_result(
+        crochet.run_in_reactor(fn)(reactor, *args),
+        forever,
+        lambda: TimeoutError("no end in ten years"),
+    )
 
 
 def _show_welcome(welcome: dict[str, Any], url: str, err: TextIO) -> None:

@@ -422,3 +422,46 @@ def test_producers_resumed_together_stay_under_high_water(mailbox_url: str, rela
     peak, high_water, total = run()
     assert total == 4 * per_channel * len(message)
     assert peak <= high_water + len(message) + 64, (peak, high_water)
+
+
+def test_a_cancelled_wait_whose_cleanup_outlasts_the_grace_is_claimed_silently() -> None:
+    """A Ctrl-C'd wait whose cancel fails after the grace leaves no "Unhandled error" log.
+
+    The CLI's last line must be its last: crochet logs an error nobody took,
+    with a traceback, when the operation ends after its waiter has gone.
+    """
+    import gc
+
+    from twisted.internet import defer, reactor, task
+    from twisted.python import log
+
+    from spark_dilation.errors import LonelyError
+    from spark_dilation.wormhole.blocking import claim, ensure_reactor
+
+    ensure_reactor()
+    logged: list[dict] = []
+    log.addObserver(logged.append)
+    ended = threading.Event()
+
+    async def waits_then_cleans_up_slowly() -> None:
+        try:
+            await defer.Deferred()  # the peer that never comes; the cancel lands here
+        finally:
+            await task.deferLater(reactor, 0.3, lambda: None)  # closing the wormhole
+            ended.set()
+            raise LonelyError("the wormhole was closed before the other side connected")
+
+    try:
+        result = crochet.run_in_reactor(
+            lambda: defer.ensureDeferred(waits_then_cleans_up_slowly())
+        )()
+        claim(result, grace=0.05)
+        del result
+        assert ended.wait(10)
+        time.sleep(0.2)
+        gc.collect()
+        time.sleep(0.1)
+    finally:
+        log.removeObserver(logged.append)
+    errors = [e for e in logged if e.get("isError")]
+    assert errors == [], errors

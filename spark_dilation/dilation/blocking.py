@@ -54,7 +54,7 @@ from twisted.python import threadable
 from zope.interface import implementer
 
 from ..errors import DilationError
-from ..wormhole.blocking import ensure_reactor
+from ..wormhole.blocking import ensure_reactor, wait_result
 from .api import DilatedWormhole, dilate
 
 log = logging.getLogger(__name__)
@@ -128,12 +128,9 @@ def _not_in_reactor(what: str) -> None:
 def _run(fn: Callable[[], Any], timeout: float, what: str) -> Any:
     """Run ``fn`` in the reactor, wait for its (Deferred) result."""
     _not_in_reactor(what)
-    result = crochet.run_in_reactor(fn)()
-    try:
-        return result.wait(timeout)
-    except crochet.TimeoutError:
-        result.cancel()
-        raise DilationTimeout(what, timeout) from None
+    return wait_result(
+        crochet.run_in_reactor(fn)(), timeout, lambda: DilationTimeout(what, timeout)
+    )
 
 
 class _Deadline:

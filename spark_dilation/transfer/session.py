@@ -27,7 +27,7 @@ from twisted.internet import defer
 
 from ..errors import DilationError, PeerRejectedError, TransferError
 from ..transit import offers
-from ..wormhole.blocking import ensure_reactor
+from ..wormhole.blocking import ensure_reactor, wait_result
 from .options import TransferOptions
 from .protocol import (
     PROTOCOL,
@@ -72,17 +72,9 @@ def _reactor() -> Any:
 
 
 def _wait(result: Any, timeout: float, what: str) -> Any:
-    try:
-        return result.wait(timeout)
-    except crochet.TimeoutError:
-        result.cancel()
-        raise SessionTimeout(f"{what} did not finish within {timeout:g} s") from None
-    except KeyboardInterrupt:
-        # Ctrl-C: stop it, and claim its error (unclaimed, crochet prints it at exit).
-        result.cancel()
-        with contextlib.suppress(Exception):
-            result.wait(2)
-        raise
+    return wait_result(
+        result, timeout, lambda: SessionTimeout(f"{what} did not finish within {timeout:g} s")
+    )
 
 
 async def within(d: defer.Deferred, seconds: float, error: Callable[[], BaseException]) -> Any:

@@ -6,6 +6,9 @@ here may be called from any thread except the reactor's own.
 
 from __future__ import annotations
 
+import contextlib
+import threading
+from collections.abc import Callable
 from typing import Any
 
 import crochet
@@ -22,6 +25,45 @@ def ensure_reactor() -> None:
     if not _setup_done:
         crochet.setup()
         _setup_done = True
+
+
+def wait_result(
+    result: Any,
+    timeout: float,
+    on_timeout: Callable[[], BaseException],
+    cleanup_grace: float = 2.0,
+) -> Any:
+    """Wait for a crochet ``EventualResult``; on timeout or Ctrl-C cancel it and claim it.
+
+    Raises ``on_timeout()`` after ``timeout`` seconds. On ``KeyboardInterrupt``
+    it lets the cancel's cleanup (closing a wormhole, a connection) run for up
+    to ``cleanup_grace`` seconds, then re-raises. Either way the operation's
+    eventual error is taken by :func:`claim`: an unclaimed one is printed by
+    crochet with a traceback, after the command's last line.
+    """
+    try:
+        return result.wait(timeout)
+    except crochet.TimeoutError:
+        claim(result)
+        raise on_timeout() from None
+    except KeyboardInterrupt:
+        claim(result, cleanup_grace)
+        raise
+
+
+def claim(result: Any, grace: float = 0.0) -> None:
+    """Cancel ``result`` and take whatever it ends with, now or later, silently."""
+    result.cancel()
+    with contextlib.suppress(Exception):
+        result.wait(grace)
+        return
+    # Still running its cleanup: a daemon thread keeps it referenced and claims it.
+    threading.Thread(target=_claim_later, args=(result,), name="claim", daemon=True).start()
+
+
+def _claim_later(result: Any) -> None:
+    with contextlib.suppress(BaseException):
+        result.wait(3600)
 
 
 class WormholeTimeout(WormholeError, TimeoutError):
@@ -114,12 +156,11 @@ class BlockingWormhole:
 
     def _wait(self, fn: Any, timeout: float | None) -> Any:
         limit = self.timeout if timeout is None else timeout
-        result = crochet.run_in_reactor(fn)()
-        try:
-            return result.wait(limit)
-        except crochet.TimeoutError:
-            result.cancel()
-            raise WormholeTimeout(f"no answer within {limit:g} seconds") from None
+        return wait_result(
+            crochet.run_in_reactor(fn)(),
+            limit,
+            lambda: WormholeTimeout(f"no answer within {limit:g} seconds"),
+        )
 
 
 def _reactor() -> Any:
