@@ -47,6 +47,8 @@ import statistics
 import subprocess
 import sys
 import tempfile
+import threading
+import time
 from pathlib import Path
 from typing import Any
 
@@ -189,10 +191,112 @@ def probe_link(topo: Topology, mb: int) -> float:
     return float(out.strip())
 
 
+# --- the timeline -------------------------------------------------------------------------------
+
+
+class Timeline:
+    """Samples peer a's wire bytes and the machine's CPU every ``period`` s while a case runs.
+
+    :meth:`phases` splits a case's seconds into: before the first MB left
+    (session, Spark planning, the first partition's encoding), the stream
+    (first to last MB on the wire; ``link_idle_s`` of it the link had nothing
+    to carry), and after the last byte (commit, the reader's count). CPU busy
+    is the share of all cores in use during the stream (``/proc/stat``).
+    """
+
+    def __init__(self, topo: Topology, period: float = 0.25) -> None:
+        self.topo, self.period = topo, period
+        self.samples: list[tuple[float, int, int, int]] = []
+        self.cpu: dict[str, tuple[str, float]] = {}  # pid: (side kind, CPU seconds)
+        self._stop = threading.Event()
+        self._thread = threading.Thread(target=self._run, daemon=True)
+
+    def __enter__(self) -> Timeline:
+        self._thread.start()
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self._stop.set()
+        self._thread.join()
+
+    def _run(self) -> None:
+        nets = {os.stat(f"/run/netns/{ns}").st_ino: side for side, ns in self.topo.ns.items()}
+        while True:
+            busy, total = _cpu_jiffies()
+            self.samples.append((time.time(), self.topo.wire_bytes(), busy, total))
+            self._sample_processes(nets)
+            if self._stop.wait(self.period):
+                return
+
+    def _sample_processes(self, nets: dict[int, str]) -> None:
+        """CPU seconds so far of every process in the namespaces, by (side, kind)."""
+        for pid in os.listdir("/proc"):
+            if not pid.isdigit():
+                continue
+            try:
+                side = nets.get(os.stat(f"/proc/{pid}/ns/net").st_ino)
+                if side is None:
+                    continue
+                with open(f"/proc/{pid}/stat") as f:
+                    fields = f.read().rsplit(")", 1)[1].split()
+                with open(f"/proc/{pid}/cmdline", "rb") as f:
+                    cmd = f.read().decode(errors="replace")
+            except OSError:
+                continue
+            cpu = (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
+            self.cpu[pid] = (f"{side} {_kind(cmd)}", max(cpu, self.cpu.get(pid, ("", 0.0))[1]))
+
+    def cpu_by_kind(self) -> dict[str, float]:
+        """CPU seconds each (side, kind) used while the case ran (processes it started)."""
+        out: dict[str, float] = {}
+        for kind, cpu in self.cpu.values():
+            out[kind] = round(out.get(kind, 0.0) + cpu, 1)
+        return dict(sorted(out.items(), key=lambda kv: -kv[1]))
+
+    def phases(self, t0: float, t1: float, link_mb_s: float) -> dict[str, float]:
+        s = [x for x in self.samples if t0 - self.period <= x[0] <= t1 + self.period]
+        if len(s) < 2:
+            return {}
+        base, end = s[0][1], s[-1][1]
+        first = next((x for x in s if x[1] - base >= MB), s[0])
+        last = next((x for x in s if end - x[1] < 64 * 1024), s[-1])
+        streamed = last[1] - first[1]
+        stream_s = max(last[0] - first[0], 1e-9)
+        cpu = (last[2] - first[2]) / max(last[3] - first[3], 1)
+        return {
+            "before_first_mb_s": round(first[0] - t0, 2),
+            "stream_s": round(stream_s, 2),
+            "stream_mb_s": round(streamed / MB / stream_s, 2),
+            "link_idle_s": round(max(0.0, stream_s - streamed / (link_mb_s * MB)), 2),
+            "after_last_byte_s": round(t1 - last[0], 2),
+            "cpu_busy_in_stream": round(cpu, 2),
+        }
+
+
+def _kind(cmdline: str) -> str:
+    for needle, kind in (
+        ("senderhost", "sender-host"), ("lanehost", "lane-host"), ("readerhost", "lane-host"),
+        ("spark_dilation.servers", "mailbox+relay"), ("pyspark.daemon", "python-workers"),
+        ("pyspark.worker", "python-workers"), ("java", "spark-jvm"), ("spark_peer", "driver-py"),
+    ):  # fmt: skip
+        if needle in cmdline:
+            return kind
+    return "other"
+
+
+def _cpu_jiffies() -> tuple[int, int]:
+    with open("/proc/stat") as f:
+        fields = [int(v) for v in f.readline().split()[1:]]
+    idle = fields[3] + fields[4]  # idle + iowait
+    return sum(fields) - idle, sum(fields)
+
+
 # --- cases ----------------------------------------------------------------------------------------
 
 
-def run_dilation(args: argparse.Namespace, topo: Topology, tmp: Path, case: str, n: int) -> dict:
+def run_dilation(
+    args: argparse.Namespace, topo: Topology, tmp: Path, case: str, n: int, link_mb_s: float
+) -> dict:
     code = f"{700 + n}-link-{case}"
     send_err, recv_err = tmp / f"send-{case}-{n}.stderr", tmp / f"recv-{case}-{n}.stderr"
     options = [] if case == "auto" else ["--option", f"compression={case}"]
@@ -207,13 +311,14 @@ def run_dilation(args: argparse.Namespace, topo: Topology, tmp: Path, case: str,
         stdout=subprocess.PIPE, stderr=recv_err.open("w"), start_new_session=True,
     )  # fmt: skip
     sender = subprocess.Popen(
-        [*topo.exec("a"), *PEER, "send", *common("a"), "--register", "--shape", "bench",
+        [*topo.exec("a"), *PEER, "send", *common("a"), "--register", "--shape", args.shape,
          "--rows", str(args.rows), "--partitions", str(args.partitions), *options],
         stdout=subprocess.PIPE, stderr=send_err.open("w"), start_new_session=True,
     )  # fmt: skip
     topo.procs += [receiver, sender]
-    sent = _json_line(sender.communicate(timeout=3600)[0])
-    got = _json_line(receiver.communicate(timeout=3600)[0])
+    with Timeline(topo) as timeline:
+        sent = _json_line(sender.communicate(timeout=3600)[0])
+        got = _json_line(receiver.communicate(timeout=3600)[0])
     wire = topo.wire_bytes() - before
     for side in (sent, got):
         if "error" in side:
@@ -233,6 +338,8 @@ def run_dilation(args: argparse.Namespace, topo: Topology, tmp: Path, case: str,
         "path": report["path"],
         "compression": report["compression"],
         "compression_detail": report.get("compression_detail", ""),
+        "timeline": timeline.phases(max(sent["t0"], got["t0"]), got["t1"], link_mb_s),
+        "cpu_s": timeline.cpu_by_kind(),
     }
 
 
@@ -254,13 +361,14 @@ def run_manual(args: argparse.Namespace, topo: Topology, tmp: Path, n: int) -> d
     sender = subprocess.Popen(
         [*topo.exec("a"), sys.executable, script, "_manual_send", *common("a"), "--go", str(go),
          "--dir", str(tmp / f"manual-out-{n}"), "--rows", str(args.rows),
-         "--partitions", str(args.partitions)],
+         "--partitions", str(args.partitions), "--shape", args.shape],
         stdout=subprocess.PIPE, stderr=(tmp / f"msend-{n}.stderr").open("w"),
         start_new_session=True,
     )  # fmt: skip
     topo.procs += [receiver, sender]
-    sent = _json_line(sender.communicate(timeout=3600)[0])
-    got = _json_line(receiver.communicate(timeout=3600)[0])
+    with Timeline(topo) as timeline:
+        sent = _json_line(sender.communicate(timeout=3600)[0])
+        got = _json_line(receiver.communicate(timeout=3600)[0])
     if got.get("rows") != args.rows:
         raise RuntimeError(f"manual handoff read {got}")
     return {
@@ -270,6 +378,7 @@ def run_manual(args: argparse.Namespace, topo: Topology, tmp: Path, n: int) -> d
         "write_s": sent["write_s"],
         "send_s": got["receive_s"],
         "read_s": got["read_s"],
+        "cpu_s": timeline.cpu_by_kind(),
     }
 
 
@@ -279,8 +388,10 @@ def main() -> None:
     p.add_argument("--rate", default="100mbit", help="tbf rate of both peer links")
     p.add_argument("--partitions", type=int, default=8)
     p.add_argument("--lanes", type=int, default=2)
+    p.add_argument("--shape", default="link", help="the data (spark_peer.SHAPES)")
     p.add_argument("--repeat", type=int, default=1)
     p.add_argument("--cases", default=",".join(CASES))
+    p.add_argument("--logs", metavar="DIR", help="work in DIR and keep the peers' logs there")
     p.add_argument("--probe-mb", type=int, default=20, help="MB the TCP link probe sends")
     args = p.parse_args()
     if os.geteuid() != 0:
@@ -303,13 +414,14 @@ def main() -> None:
         link = probe_link(topo, args.probe_mb)
         print(json.dumps({"case": "link", "rate": args.rate, "link_mb_s": round(link, 2)}))
         with tempfile.TemporaryDirectory(prefix="link-bound-") as tmpdir:
-            tmp = Path(tmpdir)
+            tmp = Path(args.logs) if args.logs else Path(tmpdir)
+            tmp.mkdir(parents=True, exist_ok=True)
             for n in range(args.repeat):
                 for case in cases:
                     if case == "manual":
                         r = run_manual(args, topo, tmp, n)
                     else:
-                        r = run_dilation(args, topo, tmp, case, n)
+                        r = run_dilation(args, topo, tmp, case, n, link)
                     r.update(rows=args.rows, link_mb_s=round(link, 2))
                     r["wire_bound_s"] = round(r["wire_bytes"] / (link * MB), 2)
                     results[case].append(r)

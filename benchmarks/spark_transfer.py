@@ -385,6 +385,7 @@ def _manual_args(argv: list[str]) -> argparse.Namespace:
         p.add_argument(name)
     p.add_argument("--rows", type=int, default=0)
     p.add_argument("--partitions", type=int, default=8)
+    p.add_argument("--shape", default="bench")
     return p.parse_args(argv)
 
 
@@ -393,7 +394,7 @@ def _manual_send(argv: list[str]) -> None:
     from spark_dilation.testing.spark_peer import generate
 
     spark = _spark()
-    df = generate(spark, a.rows, a.partitions, "bench")
+    df = generate(spark, a.rows, a.partitions, a.shape)
     t0 = time.monotonic()
     df.write.mode("overwrite").parquet(a.dir)
     write_s = time.monotonic() - t0

@@ -17,7 +17,7 @@ import sys
 from pathlib import Path
 
 import pytest
-from reactor_helpers import reactor, reactor_test
+from reactor_helpers import reactor, reactor_test, sleep
 from twisted.internet import defer, endpoints, protocol
 from wormhole import _hints as ref  # the reference: a test-only oracle
 
@@ -265,6 +265,66 @@ async def test_dilation_hints_offer_every_local_address():
         assert [(h.hostname, h.port) for h in hints] == [(a, port) for a in local_addresses()]
     finally:
         connector.stop()
+
+
+# --- relays wait for direct paths only while one may still work ---------------------------
+
+
+def test_relay_delay_rule():
+    from spark_dilation.dilation.connector import RELAY_DELAY, relay_delay
+
+    assert relay_delay(direct_possible=True, direct_pending=True) == RELAY_DELAY
+    assert relay_delay(direct_possible=True, direct_pending=False) == 0.0  # all failed
+    assert relay_delay(direct_possible=False, direct_pending=True) == 0.0  # none can exist
+
+
+@pytest.mark.parametrize("direct", ["fails", "pending"])
+@reactor_test(timeout=30)
+async def test_relays_are_dialed_at_once_when_every_direct_dial_failed(monkeypatch, direct):
+    """With RELAY_DELAY an hour, the relay is reached only if failed direct dials release it."""
+    from spark_dilation.dilation import connector as dc
+
+    monkeypatch.setattr(dc, "RELAY_DELAY", 3600.0)
+    arrived: defer.Deferred = defer.Deferred()
+
+    class Relay(protocol.Protocol):
+        def connectionMade(self) -> None:
+            if not arrived.called:
+                arrived.callback(None)
+
+    class Silent(protocol.Protocol):  # accepts, never answers: a direct dial still pending
+        pass
+
+    relay_port = await endpoints.TCP4ServerEndpoint(reactor(), 0, interface="127.0.0.1").listen(
+        protocol.Factory.forProtocol(Relay)
+    )
+    silent_port = await endpoints.TCP4ServerEndpoint(reactor(), 0, interface="127.0.0.1").listen(
+        protocol.Factory.forProtocol(Silent)
+    )
+    connector = GenerationConnector(
+        reactor(),
+        dilation_key=b"k" * 32,
+        side="0123456789abcdef",
+        leader=True,
+        send_hints=lambda hints: None,
+        on_selected=lambda p: None,
+        relays=[H.DirectTCPV1Hint("127.0.0.1", relay_port.getHost().port, 0.0)],
+        listen_addresses=["127.0.0.1"],
+    )
+    await connector.start()
+    try:
+        if direct == "fails":
+            connector.add_hints([{"type": "direct-tcp-v1", "hostname": UNREACHABLE, "port": 9}])
+            await arrived  # the reactor_test timeout fails the test if the relay waits
+        else:
+            peer = {"type": "direct-tcp-v1", "hostname": "127.0.0.1"}
+            connector.add_hints([{**peer, "port": silent_port.getHost().port}])
+            await sleep(1.0)
+            assert not arrived.called  # a direct connection is alive: the relay keeps waiting
+    finally:
+        connector.stop()
+        await relay_port.stopListening()
+        await silent_port.stopListening()
 
 
 # --- the relay used although both sides offered direct hints -------------------------------

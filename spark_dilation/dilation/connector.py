@@ -3,7 +3,8 @@
 A :class:`GenerationConnector` listens on a new ephemeral port (unless
 ``no_listen``), publishes its hints through the mailbox (direct hints first,
 relay hints in a second message, like the reference), dials the peer's direct
-hints at once and relays after :data:`RELAY_DELAY`, runs an
+hints at once and relays after :data:`RELAY_DELAY` (at once when every
+direct dial has already failed: see :func:`relay_delay`), runs an
 :class:`~.connection.L2Connection` on every TCP connection, and hands the
 selected one to the manager. Everything else is aborted.
 
@@ -131,6 +132,18 @@ class _Factory(protocol.Factory):
         return self.connector._build(self.relay, desc)
 
 
+def relay_delay(direct_possible: bool, direct_pending: bool) -> float:
+    """How long relay dials wait: direct paths get a head start while one may still work.
+
+    ``direct_possible``: we listen or the peer offered direct hints;
+    ``direct_pending``: a direct dial is under way (or not made yet) or a
+    direct connection is alive. Once every direct dial has failed, the
+    relays go at once (the peer may still dial us, and the Leader's
+    selection still prefers a direct connection that arrives in time).
+    """
+    return RELAY_DELAY if direct_possible and direct_pending else 0.0
+
+
 class GenerationConnector:
     """Attempts for one generation; ``on_selected(L2Protocol)`` gets the winner."""
 
@@ -173,6 +186,11 @@ class GenerationConnector:
         self._peer_direct: list[H.DirectTCPV1Hint] = []
         self._peer_relays: list[H.DirectTCPV1Hint] = []
         self._inflight = 0
+        # Direct dials under way and whether any was made: when they have all
+        # failed, the relays need not wait (see relay_delay).
+        self._direct_dials = 0
+        self._direct_tried = False
+        self._relays_later: list[tuple[Any, H.DirectTCPV1Hint]] = []
         self._on_attempts = on_attempts or (lambda busy: None)
         self._on_attempt_failed = on_attempt_failed or (lambda desc, why: None)
 
@@ -229,28 +247,53 @@ class GenerationConnector:
         return self._port is not None or bool(self._peer_direct)
 
     def _dial_relays(self, hints: list[H.DirectTCPV1Hint]) -> None:
-        # Give direct paths a head start when there are any.
-        delay = RELAY_DELAY if self.direct_possible else 0.0
+        delay = relay_delay(self.direct_possible, self._direct_path_pending())
         for hint in hints:
             if delay:
                 self._later_dial(delay, hint)
             else:
                 self._dial(hint, True)
 
+    def _direct_path_pending(self) -> bool:
+        """A direct dial is under way, none was made yet, or a direct connection is alive."""
+        return (
+            not self._direct_tried
+            or self._direct_dials > 0
+            or any(not p.is_relay for p in self._protocols)
+        )
+
     def _later_dial(self, delay: float, hint: H.DirectTCPV1Hint) -> None:
         def fire() -> None:
+            self._relays_later = [(c, h) for c, h in self._relays_later if c is not call]
             self._attempt_done()
             self._dial(hint, True)
             self._check_idle()
 
         self._attempt_started()
-        self._pending.append(self._reactor.callLater(delay, fire))
+        call = self._reactor.callLater(delay, fire)
+        self._pending.append(call)
+        self._relays_later.append((call, hint))
+
+    def _direct_dial_ended(self) -> None:
+        self._direct_dials -= 1
+        if self._relays_later and not self._direct_path_pending():
+            # Every direct dial failed (an unreachable network fails at once):
+            # waiting out RELAY_DELAY would only delay the one path left.
+            later, self._relays_later = self._relays_later, []
+            for call, hint in later:
+                if call.active():
+                    call.cancel()
+                    self._attempt_done()
+                    self._dial(hint, True)
 
     def _dial(self, hint: H.DirectTCPV1Hint, relay: bool) -> None:
         key = (hint.hostname, hint.port, relay)
         if self.stopped or self.winner is not None or key in self._dialed:
             return
         self._dialed.add(key)
+        if not relay:
+            self._direct_tried = True
+            self._direct_dials += 1
         desc = ("relay " if relay else "direct ") + H.describe(hint)
         ep = endpoints.HostnameEndpoint(self._reactor, hint.hostname, hint.port, timeout=10)
         self._attempt_started()
@@ -263,6 +306,8 @@ class GenerationConnector:
             self._on_attempt_failed(desc, short_reason(f.value, f.getErrorMessage()))
 
         d.addErrback(failed)
+        if not relay:
+            d.addBoth(lambda _: self._direct_dial_ended())
         # The protocol (if any) was built before this fires: it counts on its own.
         d.addBoth(lambda _: (self._attempt_done(), self._check_idle()))
         self._pending.append(d)
