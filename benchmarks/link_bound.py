@@ -55,7 +55,7 @@ from typing import Any
 ROOT = Path(__file__).resolve().parent.parent
 HERE = Path(__file__).resolve().parent
 sys.path.insert(0, str(HERE))
-from spark_transfer import PEER, REPORT, _json_line  # noqa: E402
+from spark_transfer import PEER, REPORT, _json_line, _pinned  # noqa: E402
 
 MB = 1_000_000
 MAILBOX_PORT = 4000
@@ -207,7 +207,8 @@ class Timeline:
     def __init__(self, topo: Topology, period: float = 0.25) -> None:
         self.topo, self.period = topo, period
         self.samples: list[tuple[float, int, int, int]] = []
-        self.cpu: dict[str, tuple[str, float]] = {}  # pid: (side kind, CPU seconds)
+        # pid: (side kind, [(time, CPU seconds so far), ...])
+        self.cpu: dict[str, tuple[str, list[tuple[float, float]]]] = {}
         self._stop = threading.Event()
         self._thread = threading.Thread(target=self._run, daemon=True)
 
@@ -244,33 +245,18 @@ class Timeline:
             except OSError:
                 continue
             cpu = (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
-            self.cpu[pid] = (f"{side} {_kind(cmd)}", max(cpu, self.cpu.get(pid, ("", 0.0))[1]))
+            self.cpu.setdefault(pid, (f"{side} {_kind(cmd)}", []))[1].append((time.time(), cpu))
 
-    def cpu_by_kind(self) -> dict[str, float]:
-        """CPU seconds each (side, kind) used while the case ran (processes it started)."""
+    def cpu_by_kind(self, t0: float, t1: float) -> dict[str, float]:
+        """CPU seconds each (side, kind) used between ``t0`` and ``t1`` (the measured time)."""
         out: dict[str, float] = {}
-        for kind, cpu in self.cpu.values():
-            out[kind] = round(out.get(kind, 0.0) + cpu, 1)
+        for kind, series in self.cpu.values():
+            before = [c for t, c in series if t <= t0]
+            upto = [c for t, c in series if t <= t1 + self.period]
+            if upto:
+                used = upto[-1] - (before[-1] if before else 0.0)
+                out[kind] = round(out.get(kind, 0.0) + max(used, 0.0), 1)
         return dict(sorted(out.items(), key=lambda kv: -kv[1]))
-
-    def phases(self, t0: float, t1: float, link_mb_s: float) -> dict[str, float]:
-        s = [x for x in self.samples if t0 - self.period <= x[0] <= t1 + self.period]
-        if len(s) < 2:
-            return {}
-        base, end = s[0][1], s[-1][1]
-        first = next((x for x in s if x[1] - base >= MB), s[0])
-        last = next((x for x in s if end - x[1] < 64 * 1024), s[-1])
-        streamed = last[1] - first[1]
-        stream_s = max(last[0] - first[0], 1e-9)
-        cpu = (last[2] - first[2]) / max(last[3] - first[3], 1)
-        return {
-            "before_first_mb_s": round(first[0] - t0, 2),
-            "stream_s": round(stream_s, 2),
-            "stream_mb_s": round(streamed / MB / stream_s, 2),
-            "link_idle_s": round(max(0.0, stream_s - streamed / (link_mb_s * MB)), 2),
-            "after_last_byte_s": round(t1 - last[0], 2),
-            "cpu_busy_in_stream": round(cpu, 2),
-        }
 
 
 def _kind(cmdline: str) -> str:
@@ -309,17 +295,20 @@ def run_dilation(
         [*topo.exec("b"), *PEER, "receive", *common("b"), "--no-show", "--register",
          "--option", f"lanes={args.lanes}", "--option", f"staging_dir={tmp / 'staging'}"],
         stdout=subprocess.PIPE, stderr=recv_err.open("w"), start_new_session=True,
+        **_pinned(args, 1),
     )  # fmt: skip
     sender = subprocess.Popen(
         [*topo.exec("a"), *PEER, "send", *common("a"), "--register", "--shape", args.shape,
          "--rows", str(args.rows), "--partitions", str(args.partitions), *options],
         stdout=subprocess.PIPE, stderr=send_err.open("w"), start_new_session=True,
+        **_pinned(args, 0),
     )  # fmt: skip
     topo.procs += [receiver, sender]
     with Timeline(topo) as timeline:
         sent = _json_line(sender.communicate(timeout=3600)[0])
         got = _json_line(receiver.communicate(timeout=3600)[0])
     wire = topo.wire_bytes() - before
+    (tmp / f"result-{case}-{n}.json").write_text(json.dumps({"sent": sent, "got": got}))
     for side in (sent, got):
         if "error" in side:
             raise RuntimeError(f"{case}: {side['error']}")
@@ -339,7 +328,7 @@ def run_dilation(
         "compression": report["compression"],
         "compression_detail": report.get("compression_detail", ""),
         "timeline": timeline.phases(max(sent["t0"], got["t0"]), got["t1"], link_mb_s),
-        "cpu_s": timeline.cpu_by_kind(),
+        "cpu_s": timeline.cpu_by_kind(max(sent["t0"], got["t0"]), got["t1"]),
     }
 
 
@@ -356,14 +345,14 @@ def run_manual(args: argparse.Namespace, topo: Topology, tmp: Path, n: int) -> d
         [*topo.exec("b"), sys.executable, script, "_manual_receive", *common("b"),
          "--go", str(go), "--dir", str(tmp / f"manual-in-{n}")],
         stdout=subprocess.PIPE, stderr=(tmp / f"mrecv-{n}.stderr").open("w"),
-        start_new_session=True,
+        start_new_session=True, **_pinned(args, 1),
     )  # fmt: skip
     sender = subprocess.Popen(
         [*topo.exec("a"), sys.executable, script, "_manual_send", *common("a"), "--go", str(go),
          "--dir", str(tmp / f"manual-out-{n}"), "--rows", str(args.rows),
          "--partitions", str(args.partitions), "--shape", args.shape],
         stdout=subprocess.PIPE, stderr=(tmp / f"msend-{n}.stderr").open("w"),
-        start_new_session=True,
+        start_new_session=True, **_pinned(args, 0),
     )  # fmt: skip
     topo.procs += [receiver, sender]
     with Timeline(topo) as timeline:
@@ -378,7 +367,7 @@ def run_manual(args: argparse.Namespace, topo: Topology, tmp: Path, n: int) -> d
         "write_s": sent["write_s"],
         "send_s": got["receive_s"],
         "read_s": got["read_s"],
-        "cpu_s": timeline.cpu_by_kind(),
+        "cpu_s": timeline.cpu_by_kind(0.0, float("inf")),  # the whole run: JVM starts too
     }
 
 
@@ -391,6 +380,10 @@ def main() -> None:
     p.add_argument("--shape", default="link", help="the data (spark_peer.SHAPES)")
     p.add_argument("--repeat", type=int, default=1)
     p.add_argument("--cases", default=",".join(CASES))
+    p.add_argument(
+        "--pin", action="store_true",
+        help="one core per peer (sender CPU 0, receiver CPU 1): two machines; servers unpinned",
+    )  # fmt: skip
     p.add_argument("--logs", metavar="DIR", help="work in DIR and keep the peers' logs there")
     p.add_argument("--probe-mb", type=int, default=20, help="MB the TCP link probe sends")
     args = p.parse_args()

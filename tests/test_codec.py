@@ -69,12 +69,41 @@ def test_cpu_slower_than_the_link_chooses_none_or_lz4() -> None:
     assert choose(fast_lz4, Link(100.0, "relay", True)).codec == "lz4"
 
 
-def test_wire_rate_and_description() -> None:
-    # Blocked most of the time: the link was busy throughout.
-    assert codec.wire_rate(12_000_000, 1.0, 0.9) == pytest.approx(12.0)
-    # Hardly blocked: at least as fast as we produced, credited for the waits only.
-    assert codec.wire_rate(12_000_000, 1.0, 0.01) == pytest.approx(240.0)
-    assert codec.wire_rate(10, 1.0, 1.0) is None  # too little to go on
+def test_the_wire_meter_takes_the_link_rate_from_acks_while_backlogged() -> None:
+    meter = codec.WireMeter(window=4.0)
+    a, b = object(), object()  # two lanes' connections: one link
+    backlog = {a: 8_000_000, b: 8_000_000}
+    for i in range(9):  # every 0.5 s each connection gets 3 MB acknowledged
+        meter.sample(i * 0.5, {a: 3_000_000 * i, b: 3_000_000 * i}, backlog)
+    assert meter.estimate == (pytest.approx(12.0), True)  # both together: 6 MB per 0.5 s
+    assert codec.observed_link("relay", *meter.estimate).text() == "link 12.0 MB/s relay"
+
+
+def test_the_wire_meter_gives_a_lower_bound_when_the_senders_set_the_pace() -> None:
+    meter = codec.WireMeter(window=4.0)
+    conn = object()
+    for i in range(9):
+        meter.sample(i * 0.5, {conn: 2_000_000 * i}, {conn: 100_000})  # no backlog
+    rate, exact = meter.estimate
+    assert (rate, exact) == (pytest.approx(4.0), False)
+    link = codec.observed_link("relay", rate, exact)
+    assert link.text() == "link at least 4.0 MB/s relay"
+    assert choose(COSTS, link).codec == "zstd"  # still slow enough to compress for
+
+
+def test_the_wire_meter_survives_a_new_connection_and_needs_enough_to_go_on() -> None:
+    meter = codec.WireMeter(window=4.0)
+    old, new = object(), object()
+    meter.sample(0.0, {old: 50_000_000}, {old: 0})
+    meter.sample(1.0, {old: 50_000_010}, {old: 0})
+    assert meter.estimate is None  # 10 bytes in 1 s: nothing to go on
+    # The connection is replaced: its counter starts again at 0, no negative rate.
+    for i in range(1, 6):
+        meter.sample(1.0 + i, {new: 1_000_000 * i}, {new: 2_000_000})
+    assert meter.estimate == (pytest.approx(1.0), True)
+
+
+def test_description() -> None:
     choices = [Choice("zstd", 1, "link 11.8 MB/s relay")] * 7 + [Choice("none", None, "x")]
     assert codec.describe(choices) == (
         "zstd(1) for 7 of 8 partitions, none for 1 (link 11.8 MB/s relay)"

@@ -319,12 +319,13 @@ def test_ack_is_cumulative_and_old_acks_are_harmless():
     assert out.queued_bytes == 5 * 19
     out.handle_ack(2)  # retires 0, 1 and 2 at once
     assert out.use_connection() == records[3:]
-    assert out.queued_bytes == 2 * 19
+    assert (out.queued_bytes, out.acked_bytes) == (2 * 19, 3 * 19)
     out.handle_ack(1)  # an old (duplicate) ACK changes nothing
     assert out.queued_records == 2
+    assert out.acked_bytes == 3 * 19
     out.handle_ack(4)
     assert out.queued_records == 0
-    assert out.queued_bytes == 0
+    assert (out.queued_bytes, out.acked_bytes) == (0, 5 * 19)
 
 
 def test_ack_for_a_seqnum_never_numbered_is_ignored(caplog):

@@ -78,6 +78,11 @@ class DilationStatus:
     down_since: float | None = None
     retries: int = 0
     last_error: str | None = None
+    # Bytes the peer ACKed so far and bytes sent but not yet ACKed. Filled in
+    # by status() when called (a rate meter samples them); the snapshots
+    # on_status gets do not follow every ACK.
+    acked_bytes: int = 0
+    queued_bytes: int = 0
     error: str | None = None
 
 
@@ -582,7 +587,10 @@ class DilationManager:
             self._on_status(DilationStatus(**vars(s)))
 
     def status(self) -> DilationStatus:
-        return DilationStatus(**vars(self._status))
+        now = DilationStatus(**vars(self._status))
+        now.acked_bytes = self._outbound.acked_bytes
+        now.queued_bytes = self._outbound.queued_bytes
+        return now
 
     def stop(self) -> defer.Deferred:
         """Close the Dilation connection and stop reconnecting."""

@@ -155,6 +155,7 @@ class Outbound:
         # Un-ACKed records in seqnum order, each with its accounted size.
         self._queue: deque[tuple[Sequenced, int]] = deque()
         self._queued_bytes = 0
+        self._acked_bytes = 0  # retired by ACKs so far: what the peer has (a rate meter's input)
         self._connected = False
         self._paused = False
 
@@ -176,6 +177,11 @@ class Outbound:
     def queued_bytes(self) -> int:
         """Bytes of un-ACKed OPEN/DATA/CLOSE records (header included)."""
         return self._queued_bytes
+
+    @property
+    def acked_bytes(self) -> int:
+        """Bytes of records the peer ACKed so far (header included), over every connection."""
+        return self._acked_bytes
 
     @property
     def is_full(self) -> bool:
@@ -243,6 +249,7 @@ class Outbound:
         while queue and queue[0][0].seqnum <= resp_seqnum:
             _, size = queue.popleft()
             self._queued_bytes -= size
+            self._acked_bytes += size
         assert self._queued_bytes >= 0, self._queued_bytes
         if self._paused and self._queued_bytes <= self.low_water:
             self._paused = False

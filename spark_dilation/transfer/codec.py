@@ -15,19 +15,19 @@ each partition chose; the offer keeps saying one of ``none|lz4|zstd`` (see
 A direct path counts as fast unless measured slow: on a direct (often
 loopback or LAN) path the rate we observe is bounded by our own encryption
 on the same cores, and compressing would compete with it. A relayed path is
-assumed slow (:data:`RELAY_PRIOR_MB_S`) until a partition's acknowledged
-bytes say otherwise.
+assumed slow (:data:`RELAY_PRIOR_MB_S`) until the lanes' acknowledged
+bytes say otherwise (:class:`WireMeter`).
 
 :func:`measure` (a few MB of the first batch, cached per process and schema)
-and the per-process link observations are the only state; the glue feeds
-them (``partition.py`` chooses, ``sender.py`` observes the wire).
+and the per-process link meters are the only state; the glue feeds them
+(``partition.py`` chooses, the sender pool's watch samples its connections).
 """
 
 from __future__ import annotations
 
 import threading
 import time
-from collections import Counter
+from collections import Counter, deque
 from collections.abc import Iterable, Sequence
 from dataclasses import dataclass
 
@@ -44,6 +44,10 @@ RELAY_PRIOR_MB_S = 12.5
 DIRECT_SLOW_MB_S = 25.0
 # A codec must win by this fraction over the next cheaper one to be chosen.
 MARGIN = 0.1
+# The wire meter: seconds of ACKs a rate is taken over, and the un-ACKed bytes
+# on a connection that mean the link, not the senders, sets the pace.
+METER_WINDOW = 4.0
+BACKLOG_BYTES = 1024 * 1024
 # The sample of the first batch measured per codec.
 SAMPLE_BYTES = 4 * 1024 * 1024
 # Candidates besides none, cheapest CPU first: (codec, level).
@@ -71,9 +75,13 @@ class Link:
     mb_per_s: float
     path: str  # "direct", "relay", "unknown"
     measured: bool = False
+    # Measured while the senders could not keep it busy: it carries at least this.
+    at_least: bool = False
 
     def text(self) -> str:
         rate = "fast" if self.mb_per_s >= FAST_LINK_MB_S else f"{self.mb_per_s:.1f} MB/s"
+        if self.at_least and self.mb_per_s < FAST_LINK_MB_S:
+            rate = f"at least {rate}"
         return f"link {rate} {self.path}" + ("" if self.measured else " (assumed)")
 
 
@@ -117,28 +125,51 @@ def prior_link(path: str) -> Link:
     return Link(RELAY_PRIOR_MB_S if path == "relay" else float("inf"), path)
 
 
-def observed_link(path: str, mb_per_s: float | None) -> Link:
-    """The link to decide with, from the path and a measured rate (None: none yet)."""
+def observed_link(path: str, mb_per_s: float | None, exact: bool = True) -> Link:
+    """The link to decide with, from the path and a measured rate (None: none yet).
+
+    ``exact``: the rate was measured while the link was the bottleneck; else
+    it is a lower bound (the senders could not keep the link busy).
+    """
     if mb_per_s is None:
         return prior_link(path)
     if path != "relay" and mb_per_s >= DIRECT_SLOW_MB_S:
         return Link(float("inf"), path, measured=True)
-    return Link(mb_per_s, path, measured=True)
+    return Link(mb_per_s, path, measured=True, at_least=not exact)
 
 
-def wire_rate(sent: int, wall: float, blocked: float) -> float | None:
-    """Raw wire MB/s seen by one partition (None: nothing to go on).
+class WireMeter:
+    """How fast one transfer's connections deliver, from the peer's ACKs (pure: fed samples).
 
-    ``wall``: from its first message to the lane's answer; ``blocked``: of
-    that, time spent waiting for the connection (back-pressure, the answer).
-    Waiting most of the time means the link was busy all along (rate =
-    bytes / wall); waiting little means it kept up, so it is at least
-    faster than that: credited as if it had been busy only while we waited.
+    Partitions in flight at once share one network link (every lane's
+    connection leaves through it), and each connection buffers megabytes
+    before back-pressure, so neither one partition's nor the bytes handed
+    over say what the link carries. The meter adds up what the lanes
+    acknowledged over the last :data:`METER_WINDOW` seconds. When a
+    connection had a backlog (:data:`BACKLOG_BYTES` un-ACKed) in most samples,
+    the link set the pace and the rate is the link's; otherwise the senders
+    (CPU, the source) set it and the rate is only a lower bound.
     """
-    if sent < 256 * 1024 or wall <= 0:
-        return None
-    busy = wall if blocked >= 0.5 * wall else max(blocked, 0.05 * wall)
-    return sent / busy / 1e6
+
+    def __init__(self, window: float = 0.0) -> None:
+        self.window = window or METER_WINDOW
+        self._last: dict[object, int] = {}  # connection -> its acked bytes at the last sample
+        self._samples: deque[tuple[float, int, bool]] = deque()  # (time, new acked, backlog)
+        self.estimate: tuple[float, bool] | None = None  # (MB/s, exact), kept between partitions
+
+    def sample(self, now: float, acked: dict[object, int], queued: dict[object, int]) -> None:
+        """Every connection's acked and un-ACKed bytes at ``now`` (a new connection starts at 0)."""
+        new = sum(max(0, n - self._last.get(c, 0)) for c, n in acked.items())
+        self._last = dict(acked)
+        backlog = any(q >= BACKLOG_BYTES for q in queued.values())
+        self._samples.append((now, new, backlog))
+        while len(self._samples) > 2 and self._samples[1][0] <= now - self.window:
+            self._samples.popleft()
+        span = now - self._samples[0][0]
+        moved = sum(n for _, n, _ in list(self._samples)[1:])
+        if span >= 0.5 * self.window and moved >= 256 * 1024:
+            backlogged = sum(b for _, _, b in self._samples) >= 0.5 * len(self._samples)
+            self.estimate = (moved / span / 1e6, backlogged)
 
 
 def describe(choices: Iterable[Choice]) -> str:
@@ -168,7 +199,8 @@ def offer_compression(compression: str) -> str:
 
 _lock = threading.Lock()
 _costs: dict[str, tuple[CpuCost, ...]] = {}
-_links: dict[str, tuple[str, float | None]] = {}  # transfer -> (path, smoothed MB/s)
+_paths: dict[str, str] = {}  # transfer -> the path of its connections
+_meters: dict[str, WireMeter] = {}
 _choices: dict[str, dict[int, Choice]] = {}
 
 
@@ -202,21 +234,26 @@ def _ipc_size(batch: pa.RecordBatch, compression: pa.Codec | None) -> tuple[int,
 
 def note_path(transfer_id: str, path: str) -> None:
     with _lock:
-        _, rate = _links.get(transfer_id, ("unknown", None))
-        _links[transfer_id] = (path, rate)
+        _paths[transfer_id] = path
 
 
-def note_wire(transfer_id: str, path: str, mb_per_s: float | None) -> None:
-    """A partition's observed wire rate (smoothed: the latest counts half)."""
+def note_progress(
+    transfer_id: str, now: float, acked: dict[object, int], queued: dict[object, int]
+) -> None:
+    """A sample of the transfer's connections (the sender pool's watch feeds it)."""
     with _lock:
-        _, old = _links.get(transfer_id, ("unknown", None))
-        rate = mb_per_s if old is None or mb_per_s is None else (old + mb_per_s) / 2
-        _links[transfer_id] = (path, rate if mb_per_s is not None else old)
+        meter = _meters.setdefault(transfer_id, WireMeter())
+        meter.sample(now, acked, queued)
 
 
-def link_state(transfer_id: str) -> tuple[str, float | None]:
+def link_state(transfer_id: str) -> tuple[str, float | None, bool]:
+    """(path, measured MB/s or None, whether the rate is exact rather than a lower bound)."""
     with _lock:
-        return _links.get(transfer_id, ("unknown", None))
+        path = _paths.get(transfer_id, "unknown")
+        meter = _meters.get(transfer_id)
+        if meter is None or meter.estimate is None:
+            return path, None, True
+        return path, *meter.estimate
 
 
 def current_link(transfer_id: str) -> Link:
@@ -252,5 +289,6 @@ def choices(transfer_id: str) -> list[Choice]:
 
 def forget(transfer_id: str) -> None:
     with _lock:
-        _links.pop(transfer_id, None)
+        _paths.pop(transfer_id, None)
+        _meters.pop(transfer_id, None)
         _choices.pop(transfer_id, None)

@@ -332,7 +332,7 @@ def host_link(spec: TransferSpec, partition: int) -> codec.Link:
     sock.settimeout(spec.options.lane_start_timeout + 30)
     with sock:
         answer = _reply(sock, "the link query")
-    return codec.observed_link(str(answer["path"]), answer["rate"])
+    return codec.observed_link(str(answer["path"]), answer["rate"], bool(answer["exact"]))
 
 
 def _host_error_or(sock: socket.socket, what: str, error: OSError) -> BaseException:

@@ -106,7 +106,7 @@ def process_name() -> str:
 REPLACE_AFTER = 2.0
 PROBE_GAP_MAX = 30.0
 PROBE_WINDOW = 10.0  # one probe's deadline (it walks the lane's used slots)
-WATCH_INTERVAL = 1.0
+WATCH_INTERVAL = 0.5
 
 
 class ReplacementClock:
@@ -234,11 +234,15 @@ class ConnectionPool:
             with self._lock:
                 conns = list(self._conns.items())
             now = time.monotonic()
+            progress: dict[str, tuple[dict[object, int], dict[object, int]]] = {}
             for key, conn in conns:
                 try:
-                    down = is_reconnecting(conn.status())
+                    status = conn.status()
                 except DilationError:
                     continue
+                acked, queued = progress.setdefault(key[0], ({}, {}))
+                acked[conn], queued[conn] = status.acked_bytes, status.queued_bytes
+                down = is_reconnecting(status)
                 with self._lock:
                     due = self._clock.observe(key, down, now) and key not in self._probing
                     if due and self._paired.get(key, (None, 0, ""))[2]:
@@ -246,6 +250,8 @@ class ConnectionPool:
                     else:
                         continue
                 threading.Thread(target=self._replace, args=(key, conn), daemon=True).start()
+            for transfer_id, (acked, queued) in progress.items():
+                codec.note_progress(transfer_id, now, acked, queued)  # compression=auto's link
 
     def _replace(self, key: tuple[str, int], old: Any) -> None:
         """Pair with a new incarnation of the lane if one waits in its lobby (a probe)."""
@@ -477,19 +483,10 @@ def stream_partition(
         raise connections.failure(tid) or AssertionError("unreachable")
     path = _path(conn)
     codec.note_path(tid, path)  # compression=auto decides with it (partition.py)
-    sent, blocked, first = 0, 0.0, 0.0
     try:
         for message in messages:
-            waited = time.monotonic()
-            first = first or waited
             channel.send(message, timeout=opts.reconnect_timeout)
-            blocked += time.monotonic() - waited
-            sent += len(message)
-        waited = time.monotonic()
         reply = channel.receive(timeout=opts.reconnect_timeout + opts.lane_start_timeout)
-        now = time.monotonic()
-        blocked += now - waited
-        codec.note_wire(tid, path, codec.wire_rate(sent, now - (first or now), blocked))
     except DilationTimeout as e:
         channel.close()
         raise connections.failure(tid) or LaneLostError(

@@ -203,9 +203,15 @@ class SenderHost:
         spec = self.spec
         if kind == KIND_PARTITION:
             partition = int(request["partition"])
+            log.info("partition %d: a task is sending it", partition)
+            started = time.monotonic()
             done = stream_partition(
                 spec, partition, self._messages(conn, partition), connections=self.pool
             )
+            log.info(
+                "partition %d: confirmed by its lane after %.1f s", partition,
+                time.monotonic() - started,
+            )  # fmt: skip
             stats = asdict(self.pool.stats(spec.transfer_id))
             return {"complete": asdict(done), "stats": stats}
         if kind == KIND_MANIFEST:
@@ -227,8 +233,8 @@ class SenderHost:
                 conn = self.pool.get(spec, lane, time.monotonic() + wait)
                 conn.wait_dilated(timeout=wait)
                 path = path_of(conn.status().connection)
-            known, rate = codec.link_state(spec.transfer_id)
-            return {"path": path if path != "unknown" else known, "rate": rate}
+            known, rate, exact = codec.link_state(spec.transfer_id)
+            return {"path": path if path != "unknown" else known, "rate": rate, "exact": exact}
         if kind == KIND_ABORT:
             try:
                 deliver_abort(
@@ -241,6 +247,7 @@ class SenderHost:
 
     def _messages(self, conn: socket.socket, partition: int) -> Iterator[bytearray]:
         """The partition's messages as the task sends them, up to its end marker."""
+        first = True
         while True:
             try:
                 message = read_frame(conn)
@@ -251,6 +258,9 @@ class SenderHost:
                 ) from e
             if message is None:
                 return
+            if first:
+                log.info("partition %d: first message from the task", partition)
+                first = False
             yield message
 
 
