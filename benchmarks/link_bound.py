@@ -245,7 +245,9 @@ class Timeline:
             except OSError:
                 continue
             cpu = (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
-            self.cpu.setdefault(pid, (f"{side} {_kind(cmd)}", []))[1].append((time.time(), cpu))
+            series = self.cpu.get(pid, ("", []))[1]  # the kind as last seen: ip netns exec execs
+            series.append((time.time(), cpu))
+            self.cpu[pid] = (f"{side} {_kind(cmd)}", series)
 
     def cpu_by_kind(self, t0: float, t1: float) -> dict[str, float]:
         """CPU seconds each (side, kind) used between ``t0`` and ``t1`` (the measured time)."""
@@ -257,6 +259,25 @@ class Timeline:
                 used = upto[-1] - (before[-1] if before else 0.0)
                 out[kind] = round(out.get(kind, 0.0) + max(used, 0.0), 1)
         return dict(sorted(out.items(), key=lambda kv: -kv[1]))
+
+    def phases(self, t0: float, t1: float, link_mb_s: float) -> dict[str, float]:
+        s = [x for x in self.samples if t0 - self.period <= x[0] <= t1 + self.period]
+        if len(s) < 2:
+            return {}
+        base, end = s[0][1], s[-1][1]
+        first = next((x for x in s if x[1] - base >= MB), s[0])
+        last = next((x for x in s if end - x[1] < 64 * 1024), s[-1])
+        streamed = last[1] - first[1]
+        stream_s = max(last[0] - first[0], 1e-9)
+        cpu = (last[2] - first[2]) / max(last[3] - first[3], 1)
+        return {
+            "before_first_mb_s": round(first[0] - t0, 2),
+            "stream_s": round(stream_s, 2),
+            "stream_mb_s": round(streamed / MB / stream_s, 2),
+            "link_idle_s": round(max(0.0, stream_s - streamed / (link_mb_s * MB)), 2),
+            "after_last_byte_s": round(t1 - last[0], 2),
+            "cpu_busy_in_stream": round(cpu, 2),
+        }
 
 
 def _kind(cmdline: str) -> str:

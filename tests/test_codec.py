@@ -83,12 +83,17 @@ def test_the_wire_meter_gives_a_lower_bound_when_the_senders_set_the_pace() -> N
     meter = codec.WireMeter(window=4.0)
     conn = object()
     for i in range(9):
-        meter.sample(i * 0.5, {conn: 2_000_000 * i}, {conn: 100_000})  # no backlog
+        meter.sample(i * 0.5, {conn: 8_000_000 * i}, {conn: 100_000})  # no backlog
     rate, exact = meter.estimate
-    assert (rate, exact) == (pytest.approx(4.0), False)
+    assert (rate, exact) == (pytest.approx(16.0), False)
     link = codec.observed_link("relay", rate, exact)
-    assert link.text() == "link at least 4.0 MB/s relay"
+    assert link.text() == "link at least 16.0 MB/s relay"
     assert choose(COSTS, link).codec == "zstd"  # still slow enough to compress for
+    # A lower bound under the assumption says nothing against it; on a direct
+    # path, nothing against "fast".
+    assert codec.observed_link("relay", 4.0, False) == codec.prior_link("relay")
+    assert codec.observed_link("direct", 4.0, False) == codec.prior_link("direct")
+    assert codec.observed_link("direct", 4.0, True).mb_per_s == 4.0  # measured slow
 
 
 def test_the_wire_meter_survives_a_new_connection_and_needs_enough_to_go_on() -> None:

@@ -131,8 +131,9 @@ def observed_link(path: str, mb_per_s: float | None, exact: bool = True) -> Link
     ``exact``: the rate was measured while the link was the bottleneck; else
     it is a lower bound (the senders could not keep the link busy).
     """
-    if mb_per_s is None:
-        return prior_link(path)
+    prior = prior_link(path)
+    if mb_per_s is None or (not exact and mb_per_s <= prior.mb_per_s):
+        return prior  # a lower bound under the assumption does not contradict it
     if path != "relay" and mb_per_s >= DIRECT_SLOW_MB_S:
         return Link(float("inf"), path, measured=True)
     return Link(mb_per_s, path, measured=True, at_least=not exact)
