@@ -241,7 +241,8 @@ class ConnectionPool:
                 except DilationError:
                     continue
                 acked, queued = progress.setdefault(key[0], ({}, {}))
-                acked[conn], queued[conn] = status.acked_bytes, status.queued_bytes
+                # By id: the meter must not keep closed connections alive.
+                acked[id(conn)], queued[id(conn)] = status.acked_bytes, status.queued_bytes
                 down = is_reconnecting(status)
                 with self._lock:
                     due = self._clock.observe(key, down, now) and key not in self._probing
