@@ -113,7 +113,7 @@ def test_any_machine_reads_any_lane_until_every_copy_is_gone(
     mailbox_url: str, relay_url: str, tmp_path: Path
 ) -> None:
     data = table(40_000)
-    code = "7-registry-copies"
+    code = "80207-registry-copies"
     opts = {"mailbox": mailbox_url, "relay": relay_url, "peer_timeout": 60}
     sent: dict[str, Any] = {}
 

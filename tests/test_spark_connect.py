@@ -56,7 +56,7 @@ def _check(sent: dict[str, Any], got: dict[str, Any], tmp: Path) -> None:
 
 
 def test_connect_writer_to_classic_reader(wormhole_servers: Any, tmp_path: Path) -> None:
-    code = "21-connect-to-classic"
+    code = "80221-connect-to-classic"
     receiver = peer(
         "receive", code, wormhole_servers, tmp_path, "--out", str(tmp_path / "out"),
         "--option", staging(tmp_path),
@@ -76,7 +76,7 @@ def test_connect_writer_to_classic_reader(wormhole_servers: Any, tmp_path: Path)
 
 
 def test_classic_writer_to_connect_reader(wormhole_servers: Any, tmp_path: Path) -> None:
-    code = "22-classic-to-connect"
+    code = "80222-classic-to-connect"
     receiver = peer(
         "receive", code, wormhole_servers, tmp_path, "--remote", "local[2]",
         "--out", str(tmp_path / "out"), "--option", staging(tmp_path),

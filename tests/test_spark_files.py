@@ -652,7 +652,7 @@ def test_failed_receive_leaves_no_staging_dir(mailbox_url: str, tmp_path: Path) 
 
     stage = tmp_path / "stage"
     with pytest.raises(DilationError, match="nobody used the code"):
-        receive_file("4-nobody-here", mailbox=mailbox_url, timeout=1, staging_dir=stage)
+        receive_file("80204-nobody-here", mailbox=mailbox_url, timeout=1, staging_dir=stage)
     assert list(stage.iterdir()) == []
 
 

@@ -59,7 +59,7 @@ def staging(tmp: Path) -> str:
 
 def test_spark_to_spark_all_types_exact(wormhole_servers: Any, tmp_path: Path) -> None:
     """1M rows of every common type and nulls; content, schema and nullability equal."""
-    code = "11-spark-to-spark"
+    code = "80211-spark-to-spark"
     receiver = peer(
         "receive", code, wormhole_servers, tmp_path, "--out", str(tmp_path / "out"),
         "--option", staging(tmp_path),
@@ -89,7 +89,7 @@ def test_local_clusters_share_connections(
     wormhole_servers: Any, tmp_path: Path, sender_host: str
 ) -> None:
     """Two executors per side: fewer Dilation connections than partitions."""
-    code = f"12-local-cluster-{sender_host}"
+    code = f"80212-local-cluster-{sender_host}"
     cluster = "local-cluster[2,1,1024]"
     receiver = peer(
         "receive", code, wormhole_servers, tmp_path, "--master", cluster, "--executors", "2",
@@ -170,7 +170,7 @@ def test_python_table_and_parquet_into_spark(spark: Any, wormhole_servers: Any, 
 
 
 def test_spark_writer_into_python_parquet(wormhole_servers: Any, tmp_path: Path) -> None:
-    code = "13-spark-to-python"
+    code = "80213-spark-to-python"
     sender = peer(
         "send", code, wormhole_servers, tmp_path, "--rows", "100000", "--partitions", "3",
         "--expected", str(tmp_path / "expected"),
@@ -196,7 +196,7 @@ def test_reference_wormhole_send_loads_without_accept(
     source = tmp_path / "sent" / "data.parquet"
     source.parent.mkdir()
     pq.write_table(table, source)
-    code = "14-plain-file"
+    code = "80214-plain-file"
     cli = Path(sys.executable).parent / "wormhole"
     proc = subprocess.Popen(
         [
@@ -273,7 +273,7 @@ def test_l2_connection_aborted_repeatedly(wormhole_servers: Any, tmp_path: Path)
 def test_sender_task_fails_mid_partition_and_is_retried(
     wormhole_servers: Any, tmp_path: Path
 ) -> None:
-    code = "15-sender-retry"
+    code = "80215-sender-retry"
     sender = peer(
         "send", code, wormhole_servers, tmp_path, "--master", "local[2,2]", "--rows", "100000",
         "--expected", str(tmp_path / "expected"), "--option", "test_fail=sender-mid-partition:2",
@@ -336,9 +336,9 @@ def test_wrong_code_from_spark(spark: Any, wormhole_servers: Any, tmp_path: Path
 def test_reader_never_comes(spark: Any, wormhole_servers: Any, tmp_path: Path) -> None:
     df = spark.range(10)
     started = time.monotonic()
-    with pytest.raises(Exception, match="nobody used the code 16-nobody-reads within 3 seconds"):
+    with pytest.raises(Exception, match="nobody used the code 80216-nobody-reads within 3 seconds"):
         df.write.format("dilation").options(
-            code="16-nobody-reads", mailbox=wormhole_servers.mailbox_url, peer_timeout="3"
+            code="80216-nobody-reads", mailbox=wormhole_servers.mailbox_url, peer_timeout="3"
         ).mode("append").save()
     assert time.monotonic() - started < 60
 
@@ -346,10 +346,10 @@ def test_reader_never_comes(spark: Any, wormhole_servers: Any, tmp_path: Path) -
 def test_writer_never_comes(spark: Any, wormhole_servers: Any, tmp_path: Path) -> None:
     with pytest.raises(
         Exception,
-        match=r"nobody used the code 17-nobody-writes within 3 seconds.* or raise "
+        match=r"nobody used the code 80217-nobody-writes within 3 seconds.* or raise "
         r'option\("peer_timeout", \.\.\.\)\.',
     ):
-        _load(spark, "17-nobody-writes", wormhole_servers, tmp_path, peer_timeout=3)
+        _load(spark, "80217-nobody-writes", wormhole_servers, tmp_path, peer_timeout=3)
 
 
 @pytest.mark.parametrize(("mode", "shown"), [("ignore", "Ignore"), ("error", "ErrorIfExists")])
@@ -360,7 +360,7 @@ def test_unsupported_save_mode(spark: Any, mode: str, shown: str) -> None:
         match=rf'cannot be written in the "{shown}" mode. Please use either the "Append" or '
         '"Overwrite" mode instead',
     ):
-        spark.range(3).write.format("dilation").option("code", "18-x").mode(mode).save()
+        spark.range(3).write.format("dilation").option("code", "80218-x").mode(mode).save()
 
 
 def test_more_lanes_than_the_reader_can_run(spark: Any, wormhole_servers: Any, tmp_path: Path):
