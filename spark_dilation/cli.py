@@ -474,8 +474,10 @@ def send_dataset_command(args: argparse.Namespace, reporter: Reporter) -> None:
     ours, spark, _ = _receive_hints(args, code)
     _code_banner(code, sys.stderr, f"{ours}\n   (or in Spark: {spark})")
     reporter.emit("code", code=code)
-    reporter.say("waiting for the receiver..")
-    report = sender.wait(reporter.progress)
+    # Said inside wait(): a signal that lands while the line is written ends as one in the wait.
+    report = sender.wait(
+        reporter.progress, on_waiting=lambda: reporter.say("waiting for the receiver..")
+    )
     reporter.close()
     reporter.emit("done", **_report_fields(report))
     if reporter.mode != "json":

@@ -266,14 +266,18 @@ class DatasetSender:
         on_progress: ProgressCallback | None = None,
         *,
         interval: float = PROGRESS_INTERVAL,
+        on_waiting: Callable[[], None] | None = None,
     ) -> TransferReport:
         """Wait for the receiver, send every partition, deliver the manifest; the report.
 
         ``on_progress`` gets a :class:`Progress` every ``interval`` seconds
         while partitions move (from a helper thread), and a last one with
-        ``done=True``.
+        ``done=True``. ``on_waiting`` is called first, where a Ctrl-C already
+        cancels the wait as one (the CLI's "waiting for the receiver" line).
         """
         try:
+            if on_waiting is not None:
+                on_waiting()
             spec = self._session.wait()
         except KeyboardInterrupt as e:
             self._session.cancel()

@@ -36,6 +36,7 @@ log = logging.getLogger(__name__)
 WAIT_POLL = 0.5  # how often a host asks again when no copy it was told of answered
 COPY_RETRY = 15.0  # how long a host tries the copies it was told of (the registry drops dead ones)
 ORPHAN_LINGER = 30.0  # a host that never reached its registry keeps its error this long
+END_NOTICE = 3.0  # how long a host that loses its application tells the senders why
 STAGING_CHECK = 1.0  # how often a complete host checks that its staged copy still exists
 
 
@@ -161,8 +162,21 @@ class RegisteredLane:
 
     def _application_ended(self, why: str) -> None:
         log.info("lane %d: the registry's link ended (%s): removing the staging", self.lane, why)
-        if self.receiver is not None:
-            self.receiver.stop(linger=0)
+        receiver = self.receiver
+        if receiver is not None and not receiver.finished:
+            # Still receiving: tell the senders the true cause (else they wait out
+            # reconnect_timeout), but never let a slow link or mailbox hold this
+            # process: the staging must go within seconds of the application.
+            from .protocol import Abort
+
+            reason = f"lane {self.lane}: the reading application ended ({why})"
+            teller = threading.Thread(
+                target=receiver.end_transfer,
+                args=(Abort(reason), TransferError(reason), END_NOTICE),
+                daemon=True,
+            )
+            teller.start()
+            teller.join(END_NOTICE + 1.0)
         self._remove_staging()
         self.ended.set()
         os._exit(0)
