@@ -545,7 +545,7 @@ class Cluster:
         """Hosts of the workers the Master lists ALIVE."""
         try:
             workers = self.master_state().get("workers", [])
-        except OSError:
+        except (OSError, ValueError):  # the UI may answer HTML while it starts
             return []
         return [w["host"] for w in workers if w.get("state") == "ALIVE"]
 
@@ -653,7 +653,7 @@ class Cluster:
             try:
                 self.master_state()
                 return
-            except OSError:
+            except (OSError, ValueError):  # not listening yet, or its UI not yet serving JSON
                 pass
             assert self._master is not None
             if self._master.poll() is not None:
