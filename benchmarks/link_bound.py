@@ -23,7 +23,7 @@ applications (one JVM per side):
 - ``manual``: Spark writes Parquet, ``spark-dilation send --classic`` sends
   the folder through the relay, the other application reads it and counts;
   seconds = write + transfer + read.
-- ``auto`` (the default options), ``none``, ``lz4``, ``zstd``: one
+- ``auto`` (the default options), ``none``, ``lz4``, ``zstd``, ``parquet``: one
   application writes ``format("dilation")`` with that ``compression``
   (``auto``: none given), the other loads and counts; seconds from the later
   of ``save()``/``load()`` to the end of ``count()``.
@@ -61,7 +61,7 @@ MB = 1_000_000
 MAILBOX_PORT = 4000
 RELAY_PORT = 4001
 PROBE_PORT = 5001
-CASES = ("manual", "auto", "none", "lz4", "zstd")
+CASES = ("manual", "auto", "none", "lz4", "zstd", "parquet")
 
 
 def sh(*argv: str, check: bool = True) -> str:

@@ -138,9 +138,10 @@ def build_parser() -> argparse.ArgumentParser:
     send.add_argument(
         "--compression",
         default="auto",
-        metavar="auto|none|lz4|zstd",
-        help="datasets: Arrow IPC body compression; auto picks per partition from this "
-        "machine's compression speed and the link's rate (default %(default)s)",
+        metavar="auto|none|lz4|zstd|parquet",
+        help="datasets: Arrow IPC body compression, or parquet (the fewest bytes); auto "
+        "picks per partition from this machine's compression speed and the link's rate "
+        "(default %(default)s)",
     )
     _add_timeout(send)
     _add_progress_options(send)

@@ -1,4 +1,4 @@
-"""``compression=auto``: which Arrow IPC body codec a partition uses, from measurements.
+"""``compression=auto``: which codec a partition uses, from measurements.
 
 The rule (:func:`choose`) is pure: given what compressing costs on this
 machine (:class:`CpuCost`, per codec: raw MB compressed per CPU second and
@@ -10,7 +10,10 @@ connection drains earlier messages), hence the max, not the sum.
 Why per partition, with no protocol change: an Arrow IPC stream says in
 each message which codec its body used, so the receiver decodes whatever
 each partition chose; the offer keeps saying one of ``none|lz4|zstd`` (see
-:func:`offer_compression`) and older receivers accept it.
+:func:`offer_compression`) and older receivers accept it. The ``parquet``
+format (:mod:`.pqformat`: Parquet's column encodings, then zstd) is a
+candidate only where the receiver's answer listed it; each partition's
+header names what it chose.
 
 A direct path counts as fast unless measured slow: on a direct (often
 loopback or LAN) path the rate we observe is bounded by our own encryption
@@ -33,6 +36,9 @@ from dataclasses import dataclass
 
 import pyarrow as pa
 import pyarrow.ipc as ipc
+
+from . import pqformat
+from .pqformat import FORMAT as PARQUET
 
 AUTO = "auto"
 # Raw MB/s at or above which a link is never worth compressing for (about a
@@ -89,7 +95,7 @@ class Link:
 class Choice:
     """A partition's codec and why."""
 
-    codec: str  # none, lz4, zstd
+    codec: str  # none, lz4, zstd, parquet
     level: int | None
     why: str
 
@@ -97,9 +103,10 @@ class Choice:
     def label(self) -> str:
         return self.codec if self.level is None else f"{self.codec}({self.level})"
 
-    def ipc_compression(self) -> pa.Codec | None:
-        if self.codec == "none":
-            return None
+    def encoder_compression(self) -> str | pa.Codec | None:
+        """What :class:`~.protocol.PartitionEncoder` takes for this choice."""
+        if self.codec in ("none", PARQUET):
+            return self.codec
         return pa.Codec(self.codec, compression_level=self.level)
 
 
@@ -187,13 +194,14 @@ def describe(choices: Iterable[Choice]) -> str:
 
 
 def offer_compression(compression: str) -> str:
-    """The offer's ``compression`` for an option value: ``auto`` offers ``zstd``.
+    """The offer's ``compression`` for an option value: ``auto`` and ``parquet`` offer ``zstd``.
 
     Receivers decode every codec whatever the offer says (Arrow IPC is
-    self-describing); ``zstd``, the strongest codec auto may pick, keeps
-    older receivers (which accept only ``none|lz4|zstd``) working.
+    self-describing); ``zstd``, the strongest Arrow IPC codec, keeps older
+    receivers (which accept only ``none|lz4|zstd``, and list no formats in
+    their answer, so they never get ``parquet``) working.
     """
-    return "zstd" if compression == AUTO else compression
+    return "zstd" if compression in (AUTO, "parquet") else compression
 
 
 # --- this process's measurements (the glue feeds them) -------------------------------------
@@ -205,8 +213,10 @@ _meters: dict[str, WireMeter] = {}
 _choices: dict[str, dict[int, Choice]] = {}
 
 
-def measure(batch: pa.RecordBatch, key: str) -> tuple[CpuCost, ...]:
-    """This machine's cost per codec on a sample of ``batch`` (cached per ``key``)."""
+def measure(batch: pa.RecordBatch, key: str, parquet: bool = False) -> tuple[CpuCost, ...]:
+    """This machine's cost per codec on a sample of ``batch`` (cached per ``key``);
+    ``parquet``: the receiver decodes the Parquet format, measure it too."""
+    key = f"{key}/{parquet}"
     with _lock:
         if key in _costs:
             return _costs[key]
@@ -219,6 +229,12 @@ def measure(batch: pa.RecordBatch, key: str) -> tuple[CpuCost, ...]:
         size, seconds = _ipc_size(sample, pa.Codec(codec, compression_level=level))
         if raw > 0:
             costs.append(CpuCost(codec, level, raw / max(seconds, 1e-6) / 1e6, size / raw))
+    if parquet and raw > 0:
+        # Last: chosen only if it beats zstd by the margin (on bytes or CPU).
+        started = time.process_time()
+        size = len(pqformat.encode_chunk(pa.Table.from_batches([sample])))
+        seconds = time.process_time() - started
+        costs.append(CpuCost(PARQUET, None, raw / max(seconds, 1e-6) / 1e6, size / raw))
     with _lock:
         _costs[key] = tuple(costs)
     return tuple(costs)

@@ -44,10 +44,14 @@ from collections.abc import Callable
 from typing import Any
 
 import crochet
+import pyarrow as pa
+import pyarrow.ipc as ipc
 
 from ..dilation.blocking import DilationClosed, DilationTimeout, SubchannelClosed
 from ..dilation.manager import DilationNoPath
 from ..errors import DilationError, TransferError
+from .pqformat import FORMAT as PARQUET
+from .pqformat import ChunkDecoder
 from .protocol import (
     CONTROL_SUBPROTOCOL,
     PARTITION_SUBPROTOCOL,
@@ -424,6 +428,8 @@ class LaneReceiver:
         what = f"partition {header.partition}"
         try:
             out = open(partial, "wb") if partial else None
+            if out is not None and header.compression == PARQUET:
+                out = _ParquetStaging(out, self.spec.schema)
         except OSError as e:
             raise staging_error(self.lane, what, e, self.spec.options.staging_root) from e
         try:
@@ -447,6 +453,8 @@ class LaneReceiver:
                 elif tag == TAG_TRAILER:
                     trailer = Trailer.from_body(body)
                     assembler.finish(trailer)
+                    if isinstance(out, _ParquetStaging):
+                        out.check(header.partition, trailer.rows)
                     break
                 else:
                     raise ProtocolError(f"unexpected {tag!r} inside a partition stream")
@@ -637,3 +645,41 @@ def lane_connection_statuses() -> list[Any]:
             with contextlib.suppress(DilationError):
                 statuses.append(conn.status())
     return statuses
+
+
+class _ParquetStaging:
+    """Stages a ``parquet`` partition as Arrow IPC, like every other (see :mod:`.pqformat`):
+    each frame is decoded as it completes, so nothing after the lane differs."""
+
+    def __init__(self, out: Any, schema: pa.Schema) -> None:
+        self._out = out
+        self._decoder = ChunkDecoder(schema)
+        self._writer = ipc.new_stream(out, schema)
+        self.rows = 0
+
+    def write(self, data: bytes | memoryview) -> None:
+        try:
+            for table in self._decoder.feed(data):
+                self._writer.write_table(table)
+                self.rows += table.num_rows
+        except OSError:
+            raise  # the disk, not the data
+        except (ValueError, pa.ArrowException) as e:
+            raise ProtocolError(f"a Parquet frame could not be decoded: {e}") from e
+
+    def check(self, partition: int, trailer_rows: int) -> None:
+        """At the trailer: every frame complete, and the rows the sender counted."""
+        try:
+            self._decoder.finish()
+        except ValueError as e:
+            raise ProtocolError(f"partition {partition}: {e}") from e
+        if self.rows != trailer_rows:
+            raise ProtocolError(
+                f"partition {partition} decoded to {self.rows} rows, the sender sent {trailer_rows}"
+            )
+
+    def close(self) -> None:
+        try:
+            self._writer.close()
+        finally:
+            self._out.close()

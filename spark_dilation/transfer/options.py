@@ -22,7 +22,9 @@ from ..errors import DilationError
 COMPRESSIONS = ("none", "lz4", "zstd")
 # What option compression takes: a codec, or "auto" (chosen per partition from
 # this machine's compression speed and the link's rate; see transfer/codec.py).
-COMPRESSION_OPTIONS = ("auto", *COMPRESSIONS)
+# "parquet": the partition format of transfer/pqformat.py, where the receiver
+# decodes it (else zstd).
+COMPRESSION_OPTIONS = ("auto", *COMPRESSIONS, "parquet")
 EARLY_LANES = ("auto", "true", "false")
 SURFACES = ("python", "spark", "cli")
 # The CLI's flags for the options it exposes under another name.
@@ -66,9 +68,11 @@ class TransferOptions:
       failed (refused, timed out) gives up this many seconds after its first
       round of attempts failed, with one error naming the relay and each hint.
     * ``idle_timeout``: seconds a lane waits without any sender activity.
-    * ``compression``: Arrow IPC body compression, ``auto`` (per partition:
-      ``none`` on fast links, ``lz4`` or ``zstd`` where the link is slower
-      than compressing; :mod:`.codec`), ``none``, ``lz4`` or ``zstd``.
+    * ``compression``: ``auto`` (per partition: ``none`` on fast links,
+      ``lz4``, ``zstd`` or ``parquet`` where the link is slower than
+      compressing; :mod:`.codec`), ``none``, ``lz4`` or ``zstd`` (Arrow IPC
+      body compression), or ``parquet`` (:mod:`.pqformat`; zstd to a
+      receiver that does not list it).
     * ``early_lanes``: start the receiving lanes as soon as the code is agreed
       (during ``load()``), not when the first action's tasks run, so the
       sender streams while the reader plans. ``auto``: when the reader's tasks

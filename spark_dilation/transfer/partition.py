@@ -16,6 +16,7 @@ import pyarrow as pa
 from ..errors import TransferError
 from . import codec
 from .options import TransferOptions
+from .pqformat import FORMAT as PARQUET
 from .protocol import (
     CommittedPartition,
     Complete,
@@ -126,7 +127,12 @@ class PartitionStream:
         self.encoder = PartitionEncoder(spec.schema, self._fixed_compression())
 
     def _fixed_compression(self) -> str:
-        return "none" if self.spec.compression == codec.AUTO else self.spec.compression
+        compression = self.spec.compression
+        if compression == codec.AUTO:
+            return "none"
+        if compression == PARQUET and not self.spec.parquet_ok:
+            return "zstd"  # an older receiver, or a type Parquet would not keep exactly
+        return compression
 
     def _choose(self, first: pa.RecordBatch | None) -> None:
         """compression=auto: pick this partition's codec from the first batch and the link."""
@@ -134,10 +140,10 @@ class PartitionStream:
         link = self._link()
         costs: tuple[codec.CpuCost, ...] = ()
         if first is not None and link.mb_per_s < codec.FAST_LINK_MB_S:  # fast: pay nothing
-            costs = codec.measure(first, spec.fingerprint)
+            costs = codec.measure(first, spec.fingerprint, parquet=spec.parquet_ok)
         self.choice = codec.choose(costs, link)
         codec.note_choice(spec.transfer_id, self.partition, self.choice)
-        self.encoder = PartitionEncoder(spec.schema, self.choice.ipc_compression())
+        self.encoder = PartitionEncoder(spec.schema, self.choice.encoder_compression())
 
     @property
     def rows(self) -> int:
@@ -151,8 +157,8 @@ class PartitionStream:
         spec = self.spec
         fail_after = injected_failure(spec.options.test_fail, "sender-mid-partition", self.attempt)
         batches = iter(batches)
-        compression = spec.compression
-        if compression == codec.AUTO:
+        compression = self._fixed_compression()
+        if spec.compression == codec.AUTO:
             # The header waits for the first batch: it names the codec chosen.
             first = next(batches, None)
             if first is not None:

@@ -40,6 +40,8 @@ import pyarrow.ipc as ipc
 from ..errors import TransferError
 from .codec import AUTO, offer_compression
 from .options import COMPRESSIONS
+from .pqformat import FORMAT as PARQUET
+from .pqformat import ChunkEncoder
 
 PROTOCOL = "spark-dilation/dataset"
 VERSION = 1
@@ -221,6 +223,10 @@ class Offer:
             # Optional: receivers that know it report "auto"; older ones see
             # "zstd" and decode whatever each partition chose (Arrow IPC says).
             body["compression_auto"] = True
+        elif self.compression == PARQUET:
+            # Likewise: an older receiver sees "zstd" and gets zstd (its
+            # answer lists no formats).
+            body["compression_parquet"] = True
         if self.rows is not None:
             body["rows"] = self.rows
         if self.bytes is not None:
@@ -240,6 +246,8 @@ class Offer:
                 raise ProtocolError(f"the sender asked for unknown compression {compression!r}")
             if body.get("compression_auto") is True:
                 compression = AUTO
+            elif body.get("compression_parquet") is True:
+                compression = PARQUET
             return cls(
                 transfer_id=str(body["transfer"]),
                 schema=schema_from_bytes(base64.b64decode(body["schema"])),
@@ -261,12 +269,18 @@ def _optional_count(value: Any) -> int | None:
 
 @dataclass(frozen=True)
 class Accept:
-    """The receiver's half: how many lanes read in parallel."""
+    """The receiver's half: how many lanes read in parallel, and the partition formats
+    besides Arrow IPC its lanes decode (optional on the wire: an older receiver
+    sends none, and gets Arrow IPC)."""
 
     lanes: int
+    formats: tuple[str, ...] = ()
 
     def encode(self) -> bytes:
-        return json.dumps({"dataset-accept": {"lanes": self.lanes}}).encode()
+        body: dict[str, Any] = {"lanes": self.lanes}
+        if self.formats:
+            body["formats"] = list(self.formats)
+        return json.dumps({"dataset-accept": body}).encode()
 
     @classmethod
     def decode(cls, body: dict[str, Any]) -> Accept:
@@ -276,7 +290,9 @@ class Accept:
             raise ProtocolError(f"the receiver's answer is malformed: {e}") from e
         if lanes < 1:
             raise ProtocolError(f"the receiver asked for {lanes} lanes")
-        return cls(lanes)
+        formats = body.get("formats")
+        known = tuple(f for f in formats if isinstance(f, str)) if isinstance(formats, list) else ()
+        return cls(lanes, known)
 
 
 def decode_session_message(data: bytes) -> tuple[str, Any]:
@@ -578,6 +594,8 @@ class PartitionEncoder:
     (schema message first, end-of-stream marker last), so the lane can write
     them to disk as they come and read them back with ``pyarrow.ipc``.
     Compression is Arrow IPC body compression (``lz4`` = LZ4 frame, ``zstd``).
+    With ``compression="parquet"`` the concatenated payloads are Parquet
+    frames instead (:mod:`.pqformat`; only to a receiver that listed it).
     """
 
     def __init__(
@@ -587,15 +605,19 @@ class PartitionEncoder:
         max_bytes: int = MAX_MESSAGE_BYTES,
     ) -> None:
         # A codec name, or a pyarrow Codec (a level chosen by compression=auto).
-        if isinstance(compression, str):
-            if compression not in COMPRESSIONS:
-                raise ValueError(f"compression must be one of {', '.join(COMPRESSIONS)}")
-            compression = None if compression == "none" else compression
         self.schema = schema
         self.max_bytes = max_bytes
         self._capture = _Capture()
-        options = ipc.IpcWriteOptions(compression=compression)
-        self._writer = ipc.new_stream(self._capture, schema, options=options)
+        self._chunks: ChunkEncoder | None = None
+        if compression == PARQUET:
+            self._chunks = ChunkEncoder(schema)
+        else:
+            if isinstance(compression, str):
+                if compression not in COMPRESSIONS:
+                    raise ValueError(f"compression must be one of {', '.join(COMPRESSIONS)}")
+                compression = None if compression == "none" else compression
+            options = ipc.IpcWriteOptions(compression=compression)
+            self._writer = ipc.new_stream(self._capture, schema, options=options)
         self._crc = 0
         self.rows = 0
         self.bytes = 0
@@ -609,8 +631,21 @@ class PartitionEncoder:
         self.messages += 1
         return message
 
+    def _frame_messages(self, frame: bytes | None) -> Iterator[bytes]:
+        """A Parquet frame as ``D`` messages of at most ``max_bytes`` each."""
+        if frame is None:
+            return
+        view = memoryview(frame)
+        for start in range(0, len(view), self.max_bytes):
+            self._capture.write(view[start : start + self.max_bytes])
+            yield self._emit()
+
     def encode(self, batch: pa.RecordBatch) -> Iterator[bytes]:
         """``D`` messages for ``batch`` (already cast to the agreed schema)."""
+        if self._chunks is not None:
+            self.rows += batch.num_rows
+            yield from self._frame_messages(self._chunks.add(batch))
+            return
         for piece in split_batch(batch, self.max_bytes):
             if piece.num_rows == 0 and self.messages:
                 continue
@@ -619,9 +654,13 @@ class PartitionEncoder:
             yield self._emit()
 
     def finish(self) -> list[bytes]:
-        """The last ``D`` message (end of stream) and the trailer."""
-        self._writer.close()
-        return [self._emit(), Trailer(self.rows, self.bytes, f"{self._crc:08x}").encode()]
+        """The last ``D`` message(s) (end of stream, the last frame) and the trailer."""
+        if self._chunks is not None:
+            last = list(self._frame_messages(self._chunks.finish()))
+        else:
+            self._writer.close()
+            last = [self._emit()]
+        return [*last, Trailer(self.rows, self.bytes, f"{self._crc:08x}").encode()]
 
 
 # --- partition stream: lane side ---------------------------------------------------------

@@ -28,6 +28,7 @@ from twisted.internet import defer
 from ..errors import DilationError, PeerRejectedError, TransferError
 from ..transit import offers
 from ..wormhole.blocking import ensure_reactor, wait_result
+from . import pqformat
 from .options import TransferOptions
 from .protocol import (
     PROTOCOL,
@@ -49,6 +50,7 @@ from .staging import space_refusal
 log = logging.getLogger(__name__)
 
 SESSION_APPID = offers.APPID
+RECEIVER_FORMATS = (pqformat.FORMAT,)
 
 
 # What a plain wormhole client (no spark-dilation entry in its app_versions)
@@ -192,7 +194,7 @@ class SenderSession:
                     await w.close()
                 raise
             await w.close()
-            return _spec(offer, secret, body.lanes, self.options)
+            return _spec(offer, secret, body.lanes, self.options, body.formats)
 
         return _wait(
             crochet.run_in_reactor(lambda: defer.ensureDeferred(run()))(),
@@ -204,7 +206,13 @@ class SenderSession:
         crochet.run_in_reactor(lambda: self._w.close().addErrback(lambda _: None))()
 
 
-def _spec(offer: Offer, secret: bytes, lanes: int, options: TransferOptions) -> TransferSpec:
+def _spec(
+    offer: Offer,
+    secret: bytes,
+    lanes: int,
+    options: TransferOptions,
+    formats: tuple[str, ...] = (),
+) -> TransferSpec:
     return TransferSpec(
         offer.transfer_id,
         secret,
@@ -213,6 +221,7 @@ def _spec(offer: Offer, secret: bytes, lanes: int, options: TransferOptions) -> 
         offer.compression,
         options,
         total_rows=offer.rows,
+        formats=formats,
     )
 
 
@@ -269,8 +278,9 @@ async def accept_offer(
     if reason is not None:
         w.send_message(error_message(reason))
         raise TransferError(reason)
-    w.send_message(Accept(options.lanes).encode())
-    return _spec(offer, transfer_secret(w.derive_key), options.lanes, options)
+    # Our lanes decode every partition format (transfer/lane.py).
+    w.send_message(Accept(options.lanes, RECEIVER_FORMATS).encode())
+    return _spec(offer, transfer_secret(w.derive_key), options.lanes, options, RECEIVER_FORMATS)
 
 
 def receive_session(

@@ -32,9 +32,20 @@ class TransferSpec:
     # Rows the sender announced in its offer (None: it did not know), for the
     # receiver's progress (percent and ETA).
     total_rows: int | None = None
+    # Partition formats besides Arrow IPC the receiver decodes (its answer's
+    # "formats"; empty for an older receiver): see transfer/pqformat.py.
+    formats: tuple[str, ...] = ()
 
     def with_registry(self, addresses: tuple[str, ...], port: int) -> TransferSpec:
         return replace(self, registry=(tuple(addresses), port))
+
+    @cached_property
+    def parquet_ok(self) -> bool:
+        """Whether partitions may go as Parquet frames (the receiver decodes them, and the
+        schema round-trips exactly)."""
+        from . import pqformat
+
+        return pqformat.FORMAT in self.formats and pqformat.supports(self.schema)
 
     @cached_property
     def schema(self) -> pa.Schema:
@@ -46,7 +57,11 @@ class TransferSpec:
 
     def __getstate__(self) -> dict:
         # cached_property values are rebuilt after unpickling.
-        return {k: v for k, v in self.__dict__.items() if k not in ("schema", "fingerprint")}
+        return {
+            k: v
+            for k, v in self.__dict__.items()
+            if k not in ("schema", "fingerprint", "parquet_ok")
+        }
 
     def __setstate__(self, state: dict) -> None:
         self.__dict__.update(state)
