@@ -25,7 +25,10 @@ import struct
 from collections.abc import Iterator
 
 import pyarrow as pa
-import pyarrow.parquet as pq
+
+# pyarrow.parquet is imported where a frame is made or read, not here: every
+# process of a transfer imports this module through protocol.py, and a Spark
+# read task (which never decodes a frame) would pay its import (~40 ms).
 
 FORMAT = "parquet"
 # Rows are gathered into Parquet files of about this many raw bytes: large
@@ -80,6 +83,8 @@ def _encodings(schema: pa.Schema) -> dict[str, str]:
 
 def encode_chunk(table: pa.Table) -> bytes:
     """One frame: the length and a Parquet file of ``table``."""
+    import pyarrow.parquet as pq
+
     sink = io.BytesIO()
     sink.write(b"\0\0\0\0")
     pq.write_table(
@@ -154,6 +159,8 @@ class ChunkDecoder:
             )
 
     def _decode(self, frame: bytes) -> pa.Table:
+        import pyarrow.parquet as pq
+
         table = pq.read_table(pa.BufferReader(frame))
         if not table.schema.equals(self.schema):
             # Parquet keeps the Arrow schema it was written with; a mismatch is a
