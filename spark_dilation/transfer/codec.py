@@ -201,7 +201,7 @@ def offer_compression(compression: str) -> str:
     receivers (which accept only ``none|lz4|zstd``, and list no formats in
     their answer, so they never get ``parquet``) working.
     """
-    return "zstd" if compression in (AUTO, "parquet") else compression
+    return "zstd" if compression in (AUTO, PARQUET) else compression
 
 
 # --- this process's measurements (the glue feeds them) -------------------------------------

@@ -28,6 +28,7 @@ from typing import Any
 from ..errors import TransferError
 from .lane import LaneReceiver, lane_receiver
 from .lifetime import read_private
+from .protocol import Abort
 from .spec import TransferSpec
 from .staging import LaneStaging, take_lane_lock, write_host_error
 
@@ -167,8 +168,6 @@ class RegisteredLane:
             # Still receiving: tell the senders the true cause (else they wait out
             # reconnect_timeout), but never let a slow link or mailbox hold this
             # process: the staging must go within seconds of the application.
-            from .protocol import Abort
-
             reason = f"lane {self.lane}: the reading application ended ({why})"
             teller = threading.Thread(
                 target=receiver.end_transfer,
