@@ -9,8 +9,10 @@ Python API over the real mailbox and relay.
 from __future__ import annotations
 
 import os
+import pickle
 import signal
 import subprocess
+import sys
 import threading
 import time
 from dataclasses import replace
@@ -170,5 +172,35 @@ def test_any_machine_reads_any_lane_until_every_copy_is_gone(
                 break
             time.sleep(0.2)
         assert not left, left
+
+        # A read task that starts a host after the application ended (its workers not
+        # yet killed) sees why, and that host leaves with the task's worker, not
+        # ORPHAN_LINGER (30 s) later.
+        spec_file = tmp_path / "spec.pickle"
+        spec_file.write_bytes(pickle.dumps(on_machine(spec, tmp_path / "e")))
+        task = subprocess.run(
+            [sys.executable, "-c", LATE_READ_TASK, str(spec_file)],
+            capture_output=True, text=True, timeout=120,
+        )  # fmt: skip
+        assert "could not reach the lane registry" in task.stdout, (task.stdout, task.stderr)
+        pid = int(task.stdout.split()[0])
+        started = time.monotonic()
+        wait_gone(pid, 15)
+        assert time.monotonic() - started < 10
+        assert not list((tmp_path / "e").rglob("lane-1")), list((tmp_path / "e").rglob("*"))
     finally:
         owner.kill()
+
+
+# A read task's worker: reads lane 1, prints its host's pid and the error, exits.
+LATE_READ_TASK = """
+import pickle, sys
+from spark_dilation.transfer.laneread import read_lane
+from spark_dilation.transfer.staging import LaneStaging
+spec = pickle.loads(open(sys.argv[1], "rb").read())
+staging = LaneStaging(spec.options.staging_root, spec.transfer_id, 1)
+try:
+    list(read_lane(spec, 1))
+except Exception as e:
+    print((staging.dir / "host.pid").read_text(), e)
+"""

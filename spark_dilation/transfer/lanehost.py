@@ -36,7 +36,7 @@ log = logging.getLogger(__name__)
 
 WAIT_POLL = 0.5  # how often a host asks again when no copy it was told of answered
 COPY_RETRY = 15.0  # how long a host tries the copies it was told of (the registry drops dead ones)
-ORPHAN_LINGER = 30.0  # a host that never reached its registry keeps its error this long
+ORPHAN_LINGER = 30.0  # a host that never reached its registry keeps its error at most this long
 END_NOTICE = 3.0  # how long a host that loses its application tells the senders why
 STAGING_CHECK = 1.0  # how often a complete host checks that its staged copy still exists
 
@@ -71,6 +71,7 @@ class RegisteredLane:
         self.spec, self.lane, self.staging = spec, lane, staging
         self.receiver: LaneReceiver | None = None
         self.ended = threading.Event()
+        self.launcher = os.getppid()  # the read task's Python worker that started this host
 
     def run(self) -> int:
         from .laneshare import LaneServer, RegistryLink
@@ -83,7 +84,7 @@ class RegisteredLane:
             registry = RegistryLink(self.spec, self._application_ended)
         except TransferError as e:
             write_host_error(self.staging, e)
-            time.sleep(ORPHAN_LINGER)  # for the read task to see why; then leave nothing
+            self._linger_for_launcher()
             self._remove_staging()
             return 1
         server = LaneServer(self.spec, self.lane, self.staging)
@@ -160,6 +161,15 @@ class RegisteredLane:
                     f"{COPY_RETRY:g} s; the executors that staged it may be lost"
                 )
             time.sleep(WAIT_POLL)
+
+    def _linger_for_launcher(self) -> None:
+        """Keep the error for the read task that started this host (removing the staging
+        with it would let that task start another host, never seeing why), but only
+        while that task's worker lives: when the application itself has ended, Spark
+        kills its workers within seconds and nothing may stay behind for long."""
+        deadline = time.monotonic() + ORPHAN_LINGER
+        while time.monotonic() < deadline and os.getppid() == self.launcher:
+            time.sleep(0.2)
 
     def _application_ended(self, why: str) -> None:
         log.info("lane %d: the registry's link ended (%s): removing the staging", self.lane, why)
