@@ -50,9 +50,15 @@ def test_fast_or_direct_paths_choose_none() -> None:
 
 
 def test_slow_links_choose_a_compressing_codec() -> None:
-    slow = choose(COSTS, codec.prior_link("relay"))  # assumed 100 Mbit/s
+    slow = choose(COSTS, codec.prior_link("relay"))  # assumed 40 Mbit/s
     assert (slow.codec, slow.level) == ("zstd", 1), slow
     assert "relay (assumed)" in slow.why and "zstd(1) 300 MB/s ratio 0.53" in slow.why
+    # Where the receiver takes Parquet, a relay's first partitions (nothing measured
+    # yet) send the fewest bytes at this box's Parquet speed; a measured 100 Mbit/s
+    # link takes zstd(1), which keeps up with it at a fraction of the CPU.
+    with_parquet = (*COSTS, CpuCost("parquet", None, 20.0, 0.42))
+    assert choose(with_parquet, codec.prior_link("relay")).codec == "parquet"
+    assert choose(with_parquet, codec.observed_link("relay", 12.0)).label == "zstd(1)"
     measured = choose(COSTS, codec.observed_link("relay", 11.8))
     assert measured.label == "zstd(1)" and measured.why.startswith("link 11.8 MB/s relay,")
     # A slow direct link (a WAN) measured slow compresses too.

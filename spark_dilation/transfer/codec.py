@@ -44,8 +44,11 @@ AUTO = "auto"
 # Raw MB/s at or above which a link is never worth compressing for (about a
 # core's worth of lz4): a fast direct link pays nothing.
 FAST_LINK_MB_S = 1000.0
-# Before any measurement: a relayed path is a 100 Mbit/s-class link.
-RELAY_PRIOR_MB_S = 12.5
+# Before any measurement (the first partitions choose before a byte has moved):
+# a relayed path is a 40 Mbit/s link, the public relay's tens of Mbit/s. Erring
+# slow is cheap (the CPU compresses harder while the link is still fast enough
+# to need it), erring fast is not (every extra byte waits on a slow link).
+RELAY_PRIOR_MB_S = 5.0
 # A direct path's measured rate counts only below this (see the module docstring).
 DIRECT_SLOW_MB_S = 25.0
 # A codec must win by this fraction over the next cheaper one to be chosen.
