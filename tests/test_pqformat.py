@@ -189,6 +189,11 @@ def test_parquet_goes_only_to_receivers_that_list_it_and_schemas_it_keeps() -> N
     odd = pa.schema([("t", pa.time64("us"))])
     assert not spec_for(odd, "parquet", ("parquet",)).parquet_ok
     assert spec_for(t.schema, "parquet", ("parquet",)).parquet_ok
+    # Why not, for the report.
+    assert "older version" in spec_for(t.schema, "parquet", ()).parquet_refused()
+    refused = spec_for(odd, "parquet", ("parquet",)).parquet_refused()
+    assert refused == "column t (time64[us]) would not round-trip exactly through Parquet"
+    assert spec_for(t.schema, "parquet", ("parquet",)).parquet_refused() == ""
     # The answer's formats are optional both ways: an older receiver sends none.
     assert Accept.decode(json.loads(Accept(2, ("parquet",)).encode())["dataset-accept"]) == Accept(
         2, ("parquet",)
@@ -210,3 +215,17 @@ def test_an_explicit_parquet_transfer_is_exact(mailbox_url: str, tmp_path: Path)
     assert got.table is not None
     same(got.table.sort_by("i32"), t)
     assert box["report"].compression == "parquet" and box["report"].bytes < t.nbytes
+    assert box["report"].compression_detail == ""
+
+    # A column Parquet would change: the partitions go as zstd, and the report says so.
+    odd = t.append_column("t", pa.array([i * 1000 for i in range(t.num_rows)], pa.time64("us")))
+    sender, thread, box = send_in_background(odd, staging_dir=str(tmp_path / "s2"), **opts)
+    got = receive_dataset(sender.code, lanes=2, staging_dir=str(tmp_path / "r2"), **opts)
+    thread.join(120)
+    assert not thread.is_alive() and "error" not in box, box.get("error")
+    assert got.table is not None
+    same(got.table.sort_by("i32"), odd)
+    report = box["report"]
+    assert report.compression_detail.startswith("zstd for "), report
+    assert "column t (time64[us]) would not round-trip" in report.compression_detail
+    assert "; compression parquet: zstd for " in report.summary()

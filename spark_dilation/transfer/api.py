@@ -328,7 +328,7 @@ class DatasetSender:
             seconds=time.monotonic() - started,
             compression=spec.compression,
             relay_fallbacks=stats.relay_fallbacks,
-            compression_detail=_auto_detail(spec),
+            compression_detail=_auto_detail(spec, len(committed)),
         )
 
     def _ended(
@@ -358,10 +358,11 @@ class DatasetSender:
         return error
 
 
-def _auto_detail(spec: TransferSpec) -> str:
-    """compression=auto: what this process's partitions chose (then forgets them)."""
+def _auto_detail(spec: TransferSpec, partitions: int) -> str:
+    """compression=auto: what this process's partitions chose (then forgets them);
+    parquet sent as zstd: why."""
     if spec.compression != codec.AUTO:
-        return ""
+        return codec.fallback_detail(spec.compression, spec.parquet_refused(), partitions)
     detail = codec.describe(codec.choices(spec.transfer_id))
     codec.forget(spec.transfer_id)
     return detail

@@ -196,6 +196,14 @@ def describe(choices: Iterable[Choice]) -> str:
     return f"{text} ({last.why})"
 
 
+def fallback_detail(compression: str, refused: str, partitions: int) -> str:
+    """``compression=parquet`` that sent zstd instead, and why ("" otherwise): the report
+    says what went over the wire, not only what was asked for."""
+    if compression != PARQUET or not refused:
+        return ""
+    return f"zstd for {partitions} of {partitions} partitions ({refused})"
+
+
 def offer_compression(compression: str) -> str:
     """The offer's ``compression`` for an option value: ``auto`` and ``parquet`` offer ``zstd``.
 

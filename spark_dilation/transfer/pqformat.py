@@ -43,6 +43,11 @@ def supports(schema: pa.Schema) -> bool:
     return all(_exact(f.type) for f in schema)
 
 
+def unsupported(schema: pa.Schema) -> str | None:
+    """The first column that would not round-trip exactly, as ``name (type)``; None if none."""
+    return next((f"{f.name} ({f.type})" for f in schema if not _exact(f.type)), None)
+
+
 def _exact(t: pa.DataType) -> bool:
     if pa.types.is_struct(t):
         return t.num_fields > 0 and all(_exact(t.field(i).type) for i in range(t.num_fields))

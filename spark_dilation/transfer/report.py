@@ -48,7 +48,8 @@ class TransferReport:
     # direct hints (each logged a warning naming the hints): a firewall or a
     # routing problem between the machines. In the summary only when non-zero.
     relay_fallbacks: int = 0
-    # compression=auto: what the partitions chose and why (codec.describe()).
+    # What the partitions' codecs were and why, where the option alone does not say:
+    # compression=auto (codec.describe()), or parquet sent as zstd (codec.fallback_detail()).
     compression_detail: str = ""
 
     @property
@@ -70,7 +71,11 @@ class TransferReport:
             f"{self.lanes} lanes, {self.connections} Dilation connection(s) ({self.path}), "
             f"{self.reconnects} reconnect(s), {fallbacks}{self.seconds:.1f} s "
             f"({self.rows_per_s:,.0f} rows/s)"
-        ) + (f"; compression auto: {self.compression_detail}" if self.compression_detail else "")
+        ) + (
+            f"; compression {self.compression}: {self.compression_detail}"
+            if self.compression_detail
+            else ""
+        )
 
 
 def path_of(description: str | None) -> str:

@@ -105,14 +105,16 @@ def commit(
         seconds=round(time.time() - started, 3),
         compression=spec.compression,
         relay_fallbacks=merge_relay_fallbacks(stats),
-        compression_detail=_detail(spec, stats),
+        compression_detail=_detail(spec, stats, len(sent)),
     )
 
 
-def _detail(spec: TransferSpec, stats: list[ConnectionStats]) -> str:
-    from .codec import AUTO, describe, stats_choices
+def _detail(spec: TransferSpec, stats: list[ConnectionStats], partitions: int) -> str:
+    from .codec import AUTO, describe, fallback_detail, stats_choices
 
-    return describe(stats_choices(stats)) if spec.compression == AUTO else ""
+    if spec.compression == AUTO:
+        return describe(stats_choices(stats))
+    return fallback_detail(spec.compression, spec.parquet_refused(), partitions)
 
 
 def abort(spec: TransferSpec, reason: str, timeout: float = 30.0) -> None:

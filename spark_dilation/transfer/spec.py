@@ -47,6 +47,15 @@ class TransferSpec:
 
         return pqformat.FORMAT in self.formats and pqformat.supports(self.schema)
 
+    def parquet_refused(self) -> str:
+        """Why partitions may not go as Parquet frames ("" when they may)."""
+        from . import pqformat
+
+        if pqformat.FORMAT not in self.formats:
+            return "the receiver does not decode Parquet frames (an older version)"
+        column = pqformat.unsupported(self.schema)
+        return f"column {column} would not round-trip exactly through Parquet" if column else ""
+
     @cached_property
     def schema(self) -> pa.Schema:
         return schema_from_bytes(self.schema_ipc)
