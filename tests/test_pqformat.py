@@ -6,6 +6,7 @@ import datetime
 import decimal
 import json
 from pathlib import Path
+from typing import Any
 
 import numpy as np
 import pyarrow as pa
@@ -205,27 +206,27 @@ def test_parquet_goes_only_to_receivers_that_list_it_and_schemas_it_keeps() -> N
     assert body["compression"] == "zstd" and Offer.decode(body).compression == "parquet"
 
 
-def test_an_explicit_parquet_transfer_is_exact(mailbox_url: str, tmp_path: Path) -> None:
-    t = rich(50_000)
+def _transfer_exactly(t: pa.Table, mailbox_url: str, tmp: Path) -> Any:
+    """Send ``t`` with compression=parquet to a receiver here; the sender's report."""
     opts = {"mailbox": mailbox_url, "relay": "none", "compression": "parquet"}
-    sender, thread, box = send_in_background(t, staging_dir=str(tmp_path / "s"), **opts)
-    got = receive_dataset(sender.code, lanes=2, staging_dir=str(tmp_path / "r"), **opts)
+    sender, thread, box = send_in_background(t, staging_dir=str(tmp / "s"), **opts)
+    got = receive_dataset(sender.code, lanes=2, staging_dir=str(tmp / "r"), **opts)
     thread.join(120)
     assert not thread.is_alive() and "error" not in box, box.get("error")
     assert got.table is not None
     same(got.table.sort_by("i32"), t)
-    assert box["report"].compression == "parquet" and box["report"].bytes < t.nbytes
-    assert box["report"].compression_detail == ""
+    return box["report"]
+
+
+def test_an_explicit_parquet_transfer_is_exact(mailbox_url: str, tmp_path: Path) -> None:
+    t = rich(50_000)
+    report = _transfer_exactly(t, mailbox_url, tmp_path / "rich")
+    assert report.compression == "parquet" and report.bytes < t.nbytes
+    assert report.compression_detail == ""
 
     # A column Parquet would change: the partitions go as zstd, and the report says so.
     odd = t.append_column("t", pa.array([i * 1000 for i in range(t.num_rows)], pa.time64("us")))
-    sender, thread, box = send_in_background(odd, staging_dir=str(tmp_path / "s2"), **opts)
-    got = receive_dataset(sender.code, lanes=2, staging_dir=str(tmp_path / "r2"), **opts)
-    thread.join(120)
-    assert not thread.is_alive() and "error" not in box, box.get("error")
-    assert got.table is not None
-    same(got.table.sort_by("i32"), odd)
-    report = box["report"]
+    report = _transfer_exactly(odd, mailbox_url, tmp_path / "odd")
     assert report.compression_detail.startswith("zstd for "), report
     assert "column t (time64[us]) would not round-trip" in report.compression_detail
     assert "; compression parquet: zstd for " in report.summary()
