@@ -241,7 +241,10 @@ def measure(batch: pa.RecordBatch, key: str, parquet: bool = False) -> tuple[Cpu
         if raw > 0:
             costs.append(CpuCost(codec, level, raw / max(seconds, 1e-6) / 1e6, size / raw))
     if parquet and raw > 0:
-        # Last: chosen only if it beats zstd by the margin (on bytes or CPU).
+        # Last: chosen only if it beats zstd by the margin (on bytes or CPU). A first,
+        # untimed frame imports pyarrow.parquet: timed, the import made a 440 MB/s
+        # encoder measure 20 MB/s in a Spark worker.
+        pqformat.encode_chunk(pa.Table.from_batches([sample.slice(0, 64)]))
         started = time.process_time()
         size = len(pqformat.encode_chunk(pa.Table.from_batches([sample])))
         seconds = time.process_time() - started
