@@ -34,7 +34,7 @@ import pyarrow as pa
 import pyarrow.parquet as pq
 import pytest
 from test_cli import TIMEOUT, Result, Running, assert_failed, ours
-from test_cli_dataset import procs, receive_cmd, send_cmd  # noqa: F401 (procs)
+from test_cli_dataset import receive_cmd, send_cmd
 
 from spark_dilation.errors import Interrupted, TransferCancelledError
 from spark_dilation.testing import TcpProxy
@@ -131,7 +131,7 @@ def no_process_with(marker: str) -> list[str]:
 
 
 def start_mid_transfer(
-    procs: Callable[..., Running],  # noqa: F811
+    background: Callable[..., Running],
     mailbox_url: str,
     relay: str,
     source: Path,
@@ -140,9 +140,9 @@ def start_mid_transfer(
 ) -> tuple[Running, Running]:
     # compression none: the rate limit must hold the transfer under way, whatever auto chose.
     flags = ("--no-listen", "--compression", "none")
-    sender = procs(send_cmd(mailbox_url, relay, *flags, str(source)))
+    sender = background(send_cmd(mailbox_url, relay, *flags, str(source)))
     code = sender.wait_for_code()
-    receiver = procs(receive_cmd(mailbox_url, relay, "--no-listen", code, "-o", str(out)))
+    receiver = background(receive_cmd(mailbox_url, relay, "--no-listen", code, "-o", str(out)))
     wait_until("staged bytes", lambda: staged_bytes(staging), sender, receiver)
     return sender, receiver
 
@@ -155,14 +155,14 @@ def test_receiver_signal_mid_transfer_ends_both_and_tells_the_sender(
     slow_relay: str,
     source: Path,
     staging: Path,
-    procs: Callable[..., Running],  # noqa: F811
+    background: Callable[..., Running],
     tmp_path: Path,
     signum: int,
     code: int,
     cause: str,
 ) -> None:
     out = tmp_path / "out"
-    sender, receiver = start_mid_transfer(procs, mailbox_url, slow_relay, source, staging, out)
+    sender, receiver = start_mid_transfer(background, mailbox_url, slow_relay, source, staging, out)
     t0 = time.monotonic()
     receiver.proc.send_signal(signum)
     took = end_times(t0, sender=sender, receiver=receiver)
@@ -185,11 +185,11 @@ def test_sender_ctrl_c_mid_transfer_ends_both_and_tells_the_receiver(
     slow_relay: str,
     source: Path,
     staging: Path,
-    procs: Callable[..., Running],  # noqa: F811
+    background: Callable[..., Running],
     tmp_path: Path,
 ) -> None:
     out = tmp_path / "out"
-    sender, receiver = start_mid_transfer(procs, mailbox_url, slow_relay, source, staging, out)
+    sender, receiver = start_mid_transfer(background, mailbox_url, slow_relay, source, staging, out)
     t0 = time.monotonic()
     sender.proc.send_signal(signal.SIGINT)
     took = end_times(t0, sender=sender, receiver=receiver)
@@ -210,11 +210,13 @@ def test_second_ctrl_c_exits_at_once_and_still_cleans_up(
     slow_relay: str,
     source: Path,
     staging: Path,
-    procs: Callable[..., Running],  # noqa: F811
+    background: Callable[..., Running],
     tmp_path: Path,
 ) -> None:
     out = tmp_path / "out"
-    _sender, receiver = start_mid_transfer(procs, mailbox_url, slow_relay, source, staging, out)
+    _sender, receiver = start_mid_transfer(
+        background, mailbox_url, slow_relay, source, staging, out
+    )
     t0 = time.monotonic()
     receiver.proc.send_signal(signal.SIGINT)
     time.sleep(0.05)  # the first is telling the sender
@@ -234,9 +236,9 @@ def test_second_ctrl_c_exits_at_once_and_still_cleans_up(
 def test_sigterm_while_the_sender_waits_for_a_receiver(
     mailbox_url: str,
     source: Path,
-    procs: Callable[..., Running],  # noqa: F811
+    background: Callable[..., Running],
 ) -> None:
-    sender = procs(send_cmd(mailbox_url, "tcp:127.0.0.1:9", str(source)))
+    sender = background(send_cmd(mailbox_url, "tcp:127.0.0.1:9", str(source)))
     sender.wait_for_stderr("waiting for the receiver")
     t0 = time.monotonic()
     sender.proc.send_signal(signal.SIGTERM)

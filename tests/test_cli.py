@@ -23,7 +23,7 @@ import subprocess
 import sys
 import threading
 import time
-from collections.abc import Callable, Iterator, Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -177,21 +177,6 @@ class Running:
         if self.proc.poll() is None:
             self.proc.kill()
         self.proc.wait(TIMEOUT)
-
-
-@pytest.fixture
-def background() -> Iterator[Callable[[Sequence[str]], Running]]:
-    """Factory for background processes; whatever is still running at teardown is killed."""
-    started: list[Running] = []
-
-    def start(args: Sequence[str]) -> Running:
-        running = Running(args)
-        started.append(running)
-        return running
-
-    yield start
-    for running in started:
-        running.kill()
 
 
 def ours(mailbox: str, *args: str) -> list[str]:

@@ -28,7 +28,7 @@ import pyarrow as pa
 import pyarrow.parquet as pq
 import pytest
 from test_cli import TIMEOUT, Running, assert_ok
-from test_cli_dataset import json_lines, procs, receive_cmd, send_cmd  # noqa: F401 (procs)
+from test_cli_dataset import json_lines, receive_cmd, send_cmd
 from test_dilation_redial import Restartable, relay_url
 
 PARTS = 4
@@ -80,7 +80,7 @@ def staged(root: Path, pattern: str) -> list[Path]:
 def test_relay_killed_mid_transfer_shows_reconnects_in_json_and_plain_output(
     mailbox_url: str,
     relay: Restartable,
-    procs: Callable[..., Running],  # noqa: F811 (the fixture imported above)
+    background: Callable[..., Running],
     tmp_path: Path,
     monkeypatch: Any,
 ) -> None:
@@ -90,7 +90,7 @@ def test_relay_killed_mid_transfer_shows_reconnects_in_json_and_plain_output(
     tmp.mkdir()
     monkeypatch.setenv("TMPDIR", str(tmp))
     relay_hint = relay_url(relay)
-    sender = procs(
+    sender = background(
         send_cmd(
             mailbox_url,
             relay_hint,
@@ -102,7 +102,7 @@ def test_relay_killed_mid_transfer_shows_reconnects_in_json_and_plain_output(
         )
     )
     code = sender.wait_for_code()
-    receiver = procs(
+    receiver = background(
         receive_cmd(mailbox_url, relay_hint, "--no-listen", code, "-o", str(tmp_path / "out"))
     )
 
