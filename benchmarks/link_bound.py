@@ -211,6 +211,7 @@ class Timeline:
         self.cpu: dict[str, tuple[str, list[tuple[float, float]]]] = {}
         self._stop = threading.Event()
         self._thread = threading.Thread(target=self._run, daemon=True)
+        self._first_round = float("inf")  # end of the first sampling of the processes
 
     def __enter__(self) -> Timeline:
         self._thread.start()
@@ -226,6 +227,7 @@ class Timeline:
             busy, total = _cpu_jiffies()
             self.samples.append((time.time(), self.topo.wire_bytes(), busy, total))
             self._sample_processes(nets)
+            self._first_round = min(self._first_round, time.time())
             if self._stop.wait(self.period):
                 return
 
@@ -256,7 +258,11 @@ class Timeline:
             before = [c for t, c in series if t <= t0]
             upto = [c for t, c in series if t <= t1 + self.period]
             if upto:
-                used = upto[-1] - (before[-1] if before else 0.0)
+                # A process that ran before the timeline (the relay, in every case)
+                # counts from its first sample, one started since from zero.
+                existed = series[0][0] <= self._first_round
+                base = before[-1] if before else series[0][1] if existed else 0.0
+                used = upto[-1] - base
                 out[kind] = round(out.get(kind, 0.0) + max(used, 0.0), 1)
         return dict(sorted(out.items(), key=lambda kv: -kv[1]))
 

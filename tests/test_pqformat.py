@@ -109,6 +109,29 @@ def test_an_empty_partition_is_one_frame_with_the_schema() -> None:
     assert table.num_rows == 0 and table.schema.equals(schema)
 
 
+def test_decoding_a_frame_does_not_import_pandas(tmp_path: Path) -> None:
+    """A lane host decodes without pandas: pq.read_table imports it through
+    pyarrow.dataset (0.3 CPU-s idle, seconds under load, on the first frame while
+    the link waited)."""
+    import subprocess
+    import sys
+
+    table = pa.table({"id": pa.array(range(1000)), "s": pa.array([f"{i:x}" for i in range(1000)])})
+    frame = tmp_path / "frame"
+    frame.write_bytes(pqformat.encode_chunk(table))
+    child = (
+        "import sys, pyarrow as pa\n"
+        "from spark_dilation.transfer.pqformat import ChunkDecoder\n"
+        "schema = pa.schema([('id', pa.int64()), ('s', pa.string())])\n"
+        f"(got,) = ChunkDecoder(schema).feed(open({str(frame)!r}, 'rb').read())\n"
+        "assert got.num_rows == 1000, got.num_rows\n"
+        "print('pandas' in sys.modules)\n"
+    )
+    out = subprocess.run([sys.executable, "-c", child], capture_output=True, text=True, timeout=60)
+    assert out.returncode == 0, out.stderr
+    assert out.stdout.strip() == "False"
+
+
 def test_a_cut_frame_or_another_schema_is_refused() -> None:
     t = rich(100)
     data = frames_of(t, 100)

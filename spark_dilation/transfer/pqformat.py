@@ -166,7 +166,10 @@ class ChunkDecoder:
     def _decode(self, frame: bytes) -> pa.Table:
         import pyarrow.parquet as pq
 
-        table = pq.read_table(pa.BufferReader(frame))
+        # ParquetFile, not read_table: read_table goes through pyarrow.dataset, which
+        # imports pandas (0.3 CPU-s idle, seconds under load): a lane host paid it on
+        # its first frame while the link waited.
+        table = pq.ParquetFile(pa.BufferReader(frame)).read()
         if not table.schema.equals(self.schema):
             # Parquet keeps the Arrow schema it was written with; a mismatch is a
             # sender bug or a peer we do not understand, never data to keep.
