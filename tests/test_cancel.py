@@ -33,7 +33,7 @@ import numpy as np
 import pyarrow as pa
 import pyarrow.parquet as pq
 import pytest
-from test_cli import TIMEOUT, Result, Running, assert_failed, ours
+from test_cli import TIMEOUT, Result, Running, any_has_bytes, assert_failed, ours
 from test_cli_dataset import receive_cmd, send_cmd
 
 from spark_dilation.errors import Interrupted, TransferCancelledError
@@ -82,7 +82,8 @@ def staging(tmp_path: Path, monkeypatch: Any) -> Path:
 
 
 def staged_bytes(root: Path) -> bool:
-    return any(p.stat().st_size > 0 for p in root.glob("*/lane-*/.*.partial"))
+    """Whether a lane is writing a partition (its ``.partial`` file has bytes)."""
+    return any_has_bytes(root.glob("*/lane-*/.*.partial"))
 
 
 def wait_until(what: str, ready: Callable[[], bool], *running: Running) -> None:

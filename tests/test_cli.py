@@ -23,7 +23,7 @@ import subprocess
 import sys
 import threading
 import time
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Iterable, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -177,6 +177,21 @@ class Running:
         if self.proc.poll() is None:
             self.proc.kill()
         self.proc.wait(TIMEOUT)
+
+
+def any_has_bytes(paths: Iterable[Path]) -> bool:
+    """Whether one of ``paths`` has bytes; a file gone meanwhile does not count.
+
+    For watching a receiver's ``.partial`` files, which are renamed when their
+    partition completes and may be gone by the time they are stat'ed (a watcher
+    thread that died of it never pressed its Ctrl-C: one CI run's "DID NOT
+    RAISE KeyboardInterrupt").
+    """
+    for p in paths:
+        with contextlib.suppress(FileNotFoundError):
+            if p.stat().st_size > 0:
+                return True
+    return False
 
 
 def ours(mailbox: str, *args: str) -> list[str]:

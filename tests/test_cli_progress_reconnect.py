@@ -27,7 +27,7 @@ import numpy as np
 import pyarrow as pa
 import pyarrow.parquet as pq
 import pytest
-from test_cli import TIMEOUT, Running, assert_ok
+from test_cli import TIMEOUT, Running, any_has_bytes, assert_ok
 from test_cli_dataset import json_lines, receive_cmd, send_cmd
 from test_dilation_redial import Restartable, relay_url
 
@@ -109,7 +109,7 @@ def test_relay_killed_mid_transfer_shows_reconnects_in_json_and_plain_output(
     # Rows are arriving: freeze the relay at once, so nothing more moves until it dies.
     wait_for(
         "staged bytes",
-        lambda: any(p.stat().st_size > 0 for p in staged(tmp, ".*.partial")),
+        lambda: any_has_bytes(staged(tmp, ".*.partial")),
         sender,
         receiver,
     )
