@@ -23,7 +23,6 @@ from collections.abc import Callable, Sequence
 from pathlib import Path
 from typing import Any, TextIO
 
-import crochet
 from twisted.internet import defer, threads
 
 from . import __version__, cleanup, cli_signals
@@ -33,7 +32,7 @@ from .transfer.options import DEFAULT_RELAY_URL, TransferOptionError, resolve_re
 from .transit import filetransfer, offers
 from .transit.connector import TransitConnector
 from .wormhole import DEFAULT_MAILBOX_URL, Wormhole
-from .wormhole.blocking import ensure_reactor, wait_result
+from .wormhole.blocking import ensure_reactor, run_and_wait
 from .wormhole.wordlist import code_completions
 
 log = logging.getLogger("spark_dilation.cli")
@@ -349,10 +348,8 @@ def _on_reactor(fn: Callable[..., Any], *args: Any) -> Any:
     from twisted.internet import reactor
 
     forever = 10 * 365 * 86400.0  # the command's own options bound its waits
-    return wait_result(
-        crochet.run_in_reactor(fn)(reactor, *args),
-        forever,
-        lambda: TimeoutError("no end in ten years"),
+    return run_and_wait(
+        fn, reactor, *args, timeout=forever, on_timeout=lambda: TimeoutError("no end in ten years")
     )
 
 

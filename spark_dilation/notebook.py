@@ -360,18 +360,16 @@ def _refuse_own_code(code: str, mailbox: str | None) -> None:
     """
     import contextlib
 
-    import crochet
     from twisted.internet import defer
 
     from .errors import DilationError
     from .transfer.options import TransferOptions
     from .transfer.protocol import SESSION_RECEIVER, session_versions
     from .transfer.session import SESSION_APPID, accept_offer
-    from .wormhole.blocking import ensure_reactor
+    from .wormhole.blocking import call_soon
     from .wormhole.client import Wormhole
 
     options = TransferOptions(mailbox=mailbox)
-    ensure_reactor()
 
     async def run() -> None:
         from twisted.internet import reactor
@@ -393,7 +391,7 @@ def _refuse_own_code(code: str, mailbox: str | None) -> None:
             with contextlib.suppress(DilationError):
                 await w.close()
 
-    crochet.run_in_reactor(lambda: defer.ensureDeferred(run()))()
+    call_soon(lambda: defer.ensureDeferred(run()))
 
 
 def receive(spark: Any, code: str, **options: Any) -> Any:

@@ -47,14 +47,13 @@ from collections.abc import Callable, Iterable
 from dataclasses import dataclass
 from typing import Any
 
-import crochet
 from twisted.internet import defer, protocol, task
 from twisted.internet.interfaces import IPushProducer
 from twisted.python import threadable
 from zope.interface import implementer
 
 from ..errors import DilationError
-from ..wormhole.blocking import ensure_reactor, wait_result
+from ..wormhole.blocking import call_soon, ensure_reactor, run_and_wait
 from .api import DilatedWormhole, dilate
 
 log = logging.getLogger(__name__)
@@ -128,9 +127,7 @@ def _not_in_reactor(what: str) -> None:
 def _run(fn: Callable[[], Any], timeout: float, what: str) -> Any:
     """Run ``fn`` in the reactor, wait for its (Deferred) result."""
     _not_in_reactor(what)
-    return wait_result(
-        crochet.run_in_reactor(fn)(), timeout, lambda: DilationTimeout(what, timeout)
-    )
+    return run_and_wait(fn, timeout=timeout, on_timeout=lambda: DilationTimeout(what, timeout))
 
 
 class _Deadline:
@@ -508,7 +505,7 @@ class BlockingDilation:
             got = _run(w.get_code, timeout, "getting a wormhole code")
             return cls(dw, listen=names, wormhole=w, code=got, **options)
         except BaseException:
-            crochet.run_in_reactor(w.close)()  # do not leave it running; its error is ours
+            call_soon(w.close)  # do not leave it running; its error is ours
             raise
 
     # --- API --------------------------------------------------------------------

@@ -21,13 +21,12 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-import crochet
 import pyarrow as pa
 from twisted.internet import defer
 
 from ..errors import DilationError, PeerRejectedError, TransferError
 from ..transit import offers
-from ..wormhole.blocking import ensure_reactor, wait_result
+from ..wormhole.blocking import call_soon, ensure_reactor, run_and_wait
 from . import pqformat
 from .options import TransferOptions
 from .protocol import (
@@ -73,9 +72,11 @@ def _reactor() -> Any:
     return reactor
 
 
-def _wait(result: Any, timeout: float, what: str) -> Any:
-    return wait_result(
-        result, timeout, lambda: SessionTimeout(f"{what} did not finish within {timeout:g} s")
+def _wait(fn: Callable[[], Any], timeout: float, what: str) -> Any:
+    return run_and_wait(
+        fn,
+        timeout=timeout,
+        on_timeout=lambda: SessionTimeout(f"{what} did not finish within {timeout:g} s"),
     )
 
 
@@ -145,7 +146,7 @@ class SenderSession:
 
             return w.get_code().addCallbacks(got, failed)
 
-        w, got_code = _wait(crochet.run_in_reactor(start)(), 60, "getting a code")
+        w, got_code = _wait(start, 60, "getting a code")
         return cls(w, got_code, offer, options)
 
     def wait(self) -> TransferSpec:
@@ -197,13 +198,15 @@ class SenderSession:
             return _spec(offer, secret, body.lanes, self.options, body.formats)
 
         return _wait(
-            crochet.run_in_reactor(lambda: defer.ensureDeferred(run()))(),
+            lambda: defer.ensureDeferred(run()),
             self.options.peer_timeout + 60,
             "the session with the receiver",
         )
 
     def cancel(self) -> None:
-        crochet.run_in_reactor(lambda: self._w.close().addErrback(lambda _: None))()
+        """Close the wormhole: a receiver not yet met will not be met; :meth:`wait`
+        (in any thread) raises :class:`TransferError`."""
+        call_soon(self._w.close)
 
 
 def _spec(
@@ -341,7 +344,7 @@ def receive_session(
         return spec
 
     return _wait(
-        crochet.run_in_reactor(lambda: defer.ensureDeferred(run()))(),
+        lambda: defer.ensureDeferred(run()),
         options.peer_timeout + 24 * 3600,
         "the session with the sender",
     )

@@ -7,6 +7,8 @@ here may be called from any thread except the reactor's own.
 from __future__ import annotations
 
 import contextlib
+import signal
+import threading
 from collections.abc import Callable
 from typing import Any
 
@@ -26,21 +28,44 @@ def ensure_reactor() -> None:
         _setup_done = True
 
 
-def wait_result(
-    result: Any,
+def call_soon(fn: Callable[..., Any], *args: Any) -> None:
+    """Start ``fn(*args)`` (may return a Deferred) in the reactor; do not wait for it.
+
+    Its end, error included, is dropped. crochet's ``run_in_reactor`` is for
+    calls that are waited for: an EventualResult nobody keeps logs
+    "Unhandled error in EventualResult" when the call ends, even on success.
+    """
+    from twisted.internet import defer, reactor
+
+    ensure_reactor()
+    reactor.callFromThread(lambda: defer.maybeDeferred(fn, *args).addErrback(lambda _: None))
+
+
+def run_and_wait(
+    fn: Callable[..., Any],
+    *args: Any,
     timeout: float,
     on_timeout: Callable[[], BaseException],
     cleanup_grace: float = 2.0,
 ) -> Any:
-    """Wait for a crochet ``EventualResult``; on timeout or Ctrl-C cancel it and claim it.
+    """Run ``fn(*args)`` (may return a Deferred) in the reactor and wait for its result.
 
     Raises ``on_timeout()`` after ``timeout`` seconds. On ``KeyboardInterrupt``
-    it lets the cancel's cleanup (closing a wormhole, a connection) run for up
-    to ``cleanup_grace`` seconds, then re-raises. Either way the operation's
-    eventual error is taken by :func:`claim`: an unclaimed one is printed by
-    crochet with a traceback, after the command's last line.
+    it cancels the call, lets its cleanup (closing a wormhole, a connection)
+    run for up to ``cleanup_grace`` seconds, then re-raises. Either way the
+    call's eventual error is taken by :func:`claim`: an unclaimed one is
+    printed by crochet with a traceback, after the command's last line. For
+    the same reason a Ctrl-C or SIGTERM that arrives before the wait has begun
+    (inside crochet's bookkeeping) is held and raised inside it.
     """
+    held = _HeldSignals()
     try:
+        result = crochet.run_in_reactor(fn)(*args)
+    except BaseException:
+        held.release()
+        raise
+    try:
+        held.release()
         return result.wait(timeout)
     except crochet.TimeoutError:
         claim(result)
@@ -50,19 +75,57 @@ def wait_result(
         raise
 
 
+class _HeldSignals:
+    """From creation to :meth:`release`, SIGINT and SIGTERM for a Python handler are
+    recorded instead of run; ``release`` puts the handlers back and runs them for
+    what arrived (in the main thread; elsewhere signals do not arrive anyway)."""
+
+    def __init__(self) -> None:
+        self._got: list[tuple[int, Any]] = []
+        self._handlers: dict[int, Callable[..., Any]] = {}
+        if threading.current_thread() is not threading.main_thread():
+            return
+        for s in (signal.SIGINT, signal.SIGTERM):
+            handler = signal.getsignal(s)
+            if callable(handler):
+                self._handlers[s] = handler
+                signal.signal(s, self._record)
+
+    def _record(self, signum: int, frame: Any) -> None:
+        self._got.append((signum, frame))
+
+    def release(self) -> None:
+        for s, handler in self._handlers.items():
+            signal.signal(s, handler)
+        self._handlers = {}
+        got, self._got = self._got, []
+        for signum, frame in got:
+            signal.getsignal(signum)(signum, frame)  # may raise KeyboardInterrupt
+
+
 def claim(result: Any, grace: float = 0.0) -> None:
     """Cancel ``result``, let its cleanup run for ``grace`` seconds, and take whatever it
     ends with, now or later, silently."""
     result.cancel()
     with contextlib.suppress(Exception):
         result.wait(grace)
-    # crochet logs an error nobody retrieved when the EventualResult is collected
-    # (its __del__ reads this flag). A thread that waits to retrieve it loses the
-    # race at interpreter exit, where the reactor's shutdown ends the cleanup and
-    # collection follows at once (a CI run printed the traceback after the CLI's
-    # last line); marking it claimed here cannot lose. crochet has no public call
+    # crochet logs an error nobody retrieved in two places: when the EventualResult
+    # is collected holding one (its __del__ reads this flag), and when the operation
+    # fails after the EventualResult was collected (nothing to read the flag on). A
+    # thread that waits to retrieve it loses the race at interpreter exit (a CI run
+    # printed the traceback after the CLI's last line); marking it claimed and
+    # keeping it until its operation ends cannot lose. crochet has no public call
     # for this; tests/test_dilation_blocking.py fails if the flag stops working.
     result._result_retrieved = True
+    with _claimed_lock:
+        _claimed[:] = [r for r in _claimed if not r._result_set.is_set()]
+        if not result._result_set.is_set():
+            _claimed.append(result)
+
+
+# Claimed results whose operation has not ended yet (see claim()).
+_claimed: list[Any] = []
+_claimed_lock = threading.Lock()
 
 
 class WormholeTimeout(WormholeError, TimeoutError):
@@ -155,10 +218,10 @@ class BlockingWormhole:
 
     def _wait(self, fn: Any, timeout: float | None) -> Any:
         limit = self.timeout if timeout is None else timeout
-        return wait_result(
-            crochet.run_in_reactor(fn)(),
-            limit,
-            lambda: WormholeTimeout(f"no answer within {limit:g} seconds"),
+        return run_and_wait(
+            fn,
+            timeout=limit,
+            on_timeout=lambda: WormholeTimeout(f"no answer within {limit:g} seconds"),
         )
 
 
