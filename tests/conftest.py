@@ -77,20 +77,3 @@ def net_clusters(tmp_path_factory: pytest.TempPathFactory) -> Iterator:
         yield clusters
     finally:
         clusters.close()
-
-
-@pytest.fixture
-def background() -> Iterator[Callable]:
-    """Start CLI processes in the background (test_cli's ``Running``); whatever is still
-    running at teardown is killed."""
-    from test_cli import Running
-
-    started: list[Running] = []
-
-    def start(args) -> Running:
-        started.append(Running(args))
-        return started[-1]
-
-    yield start
-    for running in started:
-        running.kill()

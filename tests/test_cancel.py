@@ -33,8 +33,8 @@ import numpy as np
 import pyarrow as pa
 import pyarrow.parquet as pq
 import pytest
-from test_cli import TIMEOUT, Result, Running, any_has_bytes, assert_failed, ours
-from test_cli_dataset import receive_cmd, send_cmd
+from test_cli import TIMEOUT, Result, Running, assert_failed, ours
+from test_cli_dataset import procs, receive_cmd, send_cmd  # noqa: F401 (procs)
 
 from spark_dilation.errors import Interrupted, TransferCancelledError
 from spark_dilation.testing import TcpProxy
@@ -82,8 +82,7 @@ def staging(tmp_path: Path, monkeypatch: Any) -> Path:
 
 
 def staged_bytes(root: Path) -> bool:
-    """Whether a lane is writing a partition (its ``.partial`` file has bytes)."""
-    return any_has_bytes(root.glob("*/lane-*/.*.partial"))
+    return any(p.stat().st_size > 0 for p in root.glob("*/lane-*/.*.partial"))
 
 
 def wait_until(what: str, ready: Callable[[], bool], *running: Running) -> None:
@@ -132,7 +131,7 @@ def no_process_with(marker: str) -> list[str]:
 
 
 def start_mid_transfer(
-    background: Callable[..., Running],
+    procs: Callable[..., Running],  # noqa: F811
     mailbox_url: str,
     relay: str,
     source: Path,
@@ -141,9 +140,9 @@ def start_mid_transfer(
 ) -> tuple[Running, Running]:
     # compression none: the rate limit must hold the transfer under way, whatever auto chose.
     flags = ("--no-listen", "--compression", "none")
-    sender = background(send_cmd(mailbox_url, relay, *flags, str(source)))
+    sender = procs(send_cmd(mailbox_url, relay, *flags, str(source)))
     code = sender.wait_for_code()
-    receiver = background(receive_cmd(mailbox_url, relay, "--no-listen", code, "-o", str(out)))
+    receiver = procs(receive_cmd(mailbox_url, relay, "--no-listen", code, "-o", str(out)))
     wait_until("staged bytes", lambda: staged_bytes(staging), sender, receiver)
     return sender, receiver
 
@@ -156,14 +155,14 @@ def test_receiver_signal_mid_transfer_ends_both_and_tells_the_sender(
     slow_relay: str,
     source: Path,
     staging: Path,
-    background: Callable[..., Running],
+    procs: Callable[..., Running],  # noqa: F811
     tmp_path: Path,
     signum: int,
     code: int,
     cause: str,
 ) -> None:
     out = tmp_path / "out"
-    sender, receiver = start_mid_transfer(background, mailbox_url, slow_relay, source, staging, out)
+    sender, receiver = start_mid_transfer(procs, mailbox_url, slow_relay, source, staging, out)
     t0 = time.monotonic()
     receiver.proc.send_signal(signum)
     took = end_times(t0, sender=sender, receiver=receiver)
@@ -186,11 +185,11 @@ def test_sender_ctrl_c_mid_transfer_ends_both_and_tells_the_receiver(
     slow_relay: str,
     source: Path,
     staging: Path,
-    background: Callable[..., Running],
+    procs: Callable[..., Running],  # noqa: F811
     tmp_path: Path,
 ) -> None:
     out = tmp_path / "out"
-    sender, receiver = start_mid_transfer(background, mailbox_url, slow_relay, source, staging, out)
+    sender, receiver = start_mid_transfer(procs, mailbox_url, slow_relay, source, staging, out)
     t0 = time.monotonic()
     sender.proc.send_signal(signal.SIGINT)
     took = end_times(t0, sender=sender, receiver=receiver)
@@ -211,13 +210,11 @@ def test_second_ctrl_c_exits_at_once_and_still_cleans_up(
     slow_relay: str,
     source: Path,
     staging: Path,
-    background: Callable[..., Running],
+    procs: Callable[..., Running],  # noqa: F811
     tmp_path: Path,
 ) -> None:
     out = tmp_path / "out"
-    _sender, receiver = start_mid_transfer(
-        background, mailbox_url, slow_relay, source, staging, out
-    )
+    _sender, receiver = start_mid_transfer(procs, mailbox_url, slow_relay, source, staging, out)
     t0 = time.monotonic()
     receiver.proc.send_signal(signal.SIGINT)
     time.sleep(0.05)  # the first is telling the sender
@@ -237,9 +234,9 @@ def test_second_ctrl_c_exits_at_once_and_still_cleans_up(
 def test_sigterm_while_the_sender_waits_for_a_receiver(
     mailbox_url: str,
     source: Path,
-    background: Callable[..., Running],
+    procs: Callable[..., Running],  # noqa: F811
 ) -> None:
-    sender = background(send_cmd(mailbox_url, "tcp:127.0.0.1:9", str(source)))
+    sender = procs(send_cmd(mailbox_url, "tcp:127.0.0.1:9", str(source)))
     sender.wait_for_stderr("waiting for the receiver")
     t0 = time.monotonic()
     sender.proc.send_signal(signal.SIGTERM)
@@ -362,27 +359,15 @@ def test_api_ctrl_c_in_receive_dataset_tells_the_sender(
     staging = tmp_path / "staging"
 
     def ctrl_c_once_staged() -> None:
-        start = deadline = time.monotonic()
-        deadline += TIMEOUT
+        deadline = time.monotonic() + TIMEOUT
         while not staged_bytes(staging) and time.monotonic() < deadline:
             time.sleep(0.01)
         box["pressed"] = time.monotonic()
-        seen = "saw" if time.monotonic() < deadline else "never saw"
-        box["watch"] = f"{seen} staged bytes; pressed {box['pressed'] - start:.2f} s after start"
         _thread.interrupt_main()  # what Ctrl-C does: KeyboardInterrupt in the main thread
 
     threading.Thread(target=ctrl_c_once_staged, daemon=True).start()
-    began = time.monotonic()
-    try:
-        with pytest.raises(KeyboardInterrupt) as got:
-            receive_dataset(sender.code, tmp_path / "out", lanes=2, **api_opts)
-    except pytest.fail.Exception:
-        # Clean-clone CI runs failed here (the Ctrl-C was not seen) while local
-        # runs pass: say what the watcher saw, for the next look.
-        pytest.fail(
-            f"receive_dataset returned after {time.monotonic() - began:.2f} s without the "
-            f"Ctrl-C; watcher: {box.get('watch', 'had not pressed yet')}"
-        )
+    with pytest.raises(KeyboardInterrupt) as got:
+        receive_dataset(sender.code, tmp_path / "out", lanes=2, **api_opts)
     received = time.monotonic() - box["pressed"]
     deadline = time.monotonic() + TIMEOUT
     while "ended" not in box and time.monotonic() < deadline:

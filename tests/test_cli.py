@@ -23,7 +23,7 @@ import subprocess
 import sys
 import threading
 import time
-from collections.abc import Callable, Iterable, Sequence
+from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -179,19 +179,19 @@ class Running:
         self.proc.wait(TIMEOUT)
 
 
-def any_has_bytes(paths: Iterable[Path]) -> bool:
-    """Whether one of ``paths`` has bytes; a file gone meanwhile does not count.
+@pytest.fixture
+def background() -> Iterator[Callable[[Sequence[str]], Running]]:
+    """Factory for background processes; whatever is still running at teardown is killed."""
+    started: list[Running] = []
 
-    For watching a receiver's ``.partial`` files, which are renamed when their
-    partition completes and may be gone by the time they are stat'ed (a watcher
-    thread that died of it never pressed its Ctrl-C: one CI run's "DID NOT
-    RAISE KeyboardInterrupt").
-    """
-    for p in paths:
-        with contextlib.suppress(FileNotFoundError):
-            if p.stat().st_size > 0:
-                return True
-    return False
+    def start(args: Sequence[str]) -> Running:
+        running = Running(args)
+        started.append(running)
+        return running
+
+    yield start
+    for running in started:
+        running.kill()
 
 
 def ours(mailbox: str, *args: str) -> list[str]:

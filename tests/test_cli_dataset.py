@@ -12,7 +12,7 @@ import datetime as dt
 import decimal
 import json
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Iterator, Sequence
 from pathlib import Path
 from typing import Any
 
@@ -33,6 +33,20 @@ from test_cli import (
     ref,
     run,
 )
+
+
+@pytest.fixture
+def procs() -> Iterator[Callable[[Sequence[str]], Running]]:
+    """Background processes, killed at teardown if still running (as test_cli's)."""
+    started: list[Running] = []
+
+    def start(args: Sequence[str]) -> Running:
+        started.append(Running(args))
+        return started[-1]
+
+    yield start
+    for running in started:
+        running.kill()
 
 
 def mixed(rows: int, start: int = 0) -> pa.Table:
@@ -97,13 +111,13 @@ def test_parquet_folder_arrives_identical_through_cli_and_spark(
     mailbox_url: str,
     relay_url: str,
     spark: Any,
-    background: Callable[..., Running],
+    procs: Callable[..., Running],
     tmp_path: Path,
 ) -> None:
     want = parquet_folder(tmp_path / "src")
 
     # spark-dilation send -> spark-dilation receive
-    sender = background(send_cmd(mailbox_url, relay_url, str(tmp_path / "src")))
+    sender = procs(send_cmd(mailbox_url, relay_url, str(tmp_path / "src")))
     code = sender.wait_for_code()
     received = run(receive_cmd(mailbox_url, relay_url, code, "-o", str(tmp_path / "out")))
     sent = sender.finish()
@@ -119,7 +133,7 @@ def test_parquet_folder_arrives_identical_through_cli_and_spark(
     assert by_id(got).equals(by_id(want))
 
     # spark-dilation send -> spark.read.format("dilation")
-    sender = background(send_cmd(mailbox_url, relay_url, str(tmp_path / "src")))
+    sender = procs(send_cmd(mailbox_url, relay_url, str(tmp_path / "src")))
     code = sender.wait_for_code()
     df = (
         spark.read.format("dilation")
@@ -139,12 +153,12 @@ def test_parquet_folder_arrives_identical_through_cli_and_spark(
 
 
 def test_json_lines_to_arrow_files_with_json_status(
-    mailbox_url: str, relay_url: str, background: Callable[..., Running], tmp_path: Path
+    mailbox_url: str, relay_url: str, procs: Callable[..., Running], tmp_path: Path
 ) -> None:
     want = flat(5_000)
     src = tmp_path / "events.jsonl"
     src.write_text("".join(json.dumps(r) + "\n" for r in want.to_pylist()))
-    sender = background(send_cmd(mailbox_url, relay_url, "--json", str(src)))
+    sender = procs(send_cmd(mailbox_url, relay_url, "--json", str(src)))
     code = sender.wait_for_code()
     received = run(
         receive_cmd(
@@ -175,13 +189,13 @@ def test_json_lines_to_arrow_files_with_json_status(
 
 
 def test_arrow_files_to_csv(
-    mailbox_url: str, relay_url: str, background: Callable[..., Running], tmp_path: Path
+    mailbox_url: str, relay_url: str, procs: Callable[..., Running], tmp_path: Path
 ) -> None:
     want = flat(4_000)
     (tmp_path / "src").mkdir()
     feather.write_feather(want.slice(0, 2_500), tmp_path / "src" / "a.arrow")
     feather.write_feather(want.slice(2_500), tmp_path / "src" / "b.arrow")
-    sender = background(send_cmd(mailbox_url, relay_url, "--quiet", str(tmp_path / "src")))
+    sender = procs(send_cmd(mailbox_url, relay_url, "--quiet", str(tmp_path / "src")))
     code = sender.wait_for_code()
     received = run(
         receive_cmd(mailbox_url, relay_url, code, "--format", "csv", "-o", str(tmp_path / "out"))
@@ -201,14 +215,14 @@ def test_arrow_files_to_csv(
 def test_classic_file_accepted_or_declined_on_stdin(
     mailbox_url: str,
     relay_url: str,
-    background: Callable[..., Running],
+    procs: Callable[..., Running],
     tmp_path: Path,
     answer: str,
     accepted: bool,
 ) -> None:
     src = tmp_path / "notes.txt"
     src.write_bytes(b"plain bytes, not a dataset\n" * 1000)
-    sender = background(send_cmd(mailbox_url, relay_url, "--classic", str(src)))
+    sender = procs(send_cmd(mailbox_url, relay_url, "--classic", str(src)))
     code = sender.wait_for_code()
     received = run(
         receive_cmd(mailbox_url, relay_url, code, "-o", str(tmp_path / "got.txt")), stdin=answer
@@ -273,13 +287,11 @@ def test_dataset_send_to_an_unreachable_mailbox(tmp_path: Path) -> None:
 
 
 def test_dataset_wrong_code_fails_both_sides(
-    mailbox_url: str, relay_url: str, background: Callable[..., Running], tmp_path: Path
+    mailbox_url: str, relay_url: str, procs: Callable[..., Running], tmp_path: Path
 ) -> None:
     pq.write_table(flat(10), tmp_path / "a.parquet")
     code = new_code()
-    sender = background(
-        send_cmd(mailbox_url, relay_url, "--code", code, str(tmp_path / "a.parquet"))
-    )
+    sender = procs(send_cmd(mailbox_url, relay_url, "--code", code, str(tmp_path / "a.parquet")))
     assert sender.wait_for_code() == code
     nameplate = code.split("-", 1)[0]
     received = run(receive_cmd(mailbox_url, relay_url, f"{nameplate}-absurd-adroitness"))
@@ -290,11 +302,11 @@ def test_dataset_wrong_code_fails_both_sides(
 
 
 def test_reference_wormhole_receive_is_told_how_to_take_a_dataset(
-    mailbox_url: str, relay_url: str, background: Callable[..., Running], tmp_path: Path
+    mailbox_url: str, relay_url: str, procs: Callable[..., Running], tmp_path: Path
 ) -> None:
     """`wormhole receive` (0.24) given a dataset code prints how to take it and exits."""
     pq.write_table(flat(10), tmp_path / "a.parquet")
-    sender = background(send_cmd(mailbox_url, relay_url, str(tmp_path / "a.parquet")))
+    sender = procs(send_cmd(mailbox_url, relay_url, str(tmp_path / "a.parquet")))
     code = sender.wait_for_code()
     started = time.monotonic()
     received = run(
@@ -320,10 +332,10 @@ def test_reference_wormhole_receive_is_told_how_to_take_a_dataset(
 
 
 def test_receiver_refuses_csv_for_nested_columns_and_a_full_folder(
-    mailbox_url: str, relay_url: str, background: Callable[..., Running], tmp_path: Path
+    mailbox_url: str, relay_url: str, procs: Callable[..., Running], tmp_path: Path
 ) -> None:
     pq.write_table(mixed(100), tmp_path / "a.parquet")
-    sender = background(send_cmd(mailbox_url, relay_url, str(tmp_path / "a.parquet")))
+    sender = procs(send_cmd(mailbox_url, relay_url, str(tmp_path / "a.parquet")))
     code = sender.wait_for_code()
     received = run(
         receive_cmd(mailbox_url, relay_url, code, "--format", "csv", "-o", str(tmp_path / "o"))
@@ -335,7 +347,7 @@ def test_receiver_refuses_csv_for_nested_columns_and_a_full_folder(
 
     (tmp_path / "full").mkdir()
     (tmp_path / "full" / "keep.txt").write_text("mine")
-    sender = background(send_cmd(mailbox_url, relay_url, str(tmp_path / "a.parquet")))
+    sender = procs(send_cmd(mailbox_url, relay_url, str(tmp_path / "a.parquet")))
     code = sender.wait_for_code()
     received = run(receive_cmd(mailbox_url, relay_url, code, "-o", str(tmp_path / "full")))
     # Refused before the code is used (exit 2): the sender still waits for a receiver

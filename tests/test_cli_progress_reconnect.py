@@ -27,8 +27,8 @@ import numpy as np
 import pyarrow as pa
 import pyarrow.parquet as pq
 import pytest
-from test_cli import TIMEOUT, Running, any_has_bytes, assert_ok
-from test_cli_dataset import json_lines, receive_cmd, send_cmd
+from test_cli import TIMEOUT, Running, assert_ok
+from test_cli_dataset import json_lines, procs, receive_cmd, send_cmd  # noqa: F401 (procs)
 from test_dilation_redial import Restartable, relay_url
 
 PARTS = 4
@@ -80,7 +80,7 @@ def staged(root: Path, pattern: str) -> list[Path]:
 def test_relay_killed_mid_transfer_shows_reconnects_in_json_and_plain_output(
     mailbox_url: str,
     relay: Restartable,
-    background: Callable[..., Running],
+    procs: Callable[..., Running],  # noqa: F811 (the fixture imported above)
     tmp_path: Path,
     monkeypatch: Any,
 ) -> None:
@@ -90,7 +90,7 @@ def test_relay_killed_mid_transfer_shows_reconnects_in_json_and_plain_output(
     tmp.mkdir()
     monkeypatch.setenv("TMPDIR", str(tmp))
     relay_hint = relay_url(relay)
-    sender = background(
+    sender = procs(
         send_cmd(
             mailbox_url,
             relay_hint,
@@ -102,14 +102,14 @@ def test_relay_killed_mid_transfer_shows_reconnects_in_json_and_plain_output(
         )
     )
     code = sender.wait_for_code()
-    receiver = background(
+    receiver = procs(
         receive_cmd(mailbox_url, relay_hint, "--no-listen", code, "-o", str(tmp_path / "out"))
     )
 
     # Rows are arriving: freeze the relay at once, so nothing more moves until it dies.
     wait_for(
         "staged bytes",
-        lambda: any_has_bytes(staged(tmp, ".*.partial")),
+        lambda: any(p.stat().st_size > 0 for p in staged(tmp, ".*.partial")),
         sender,
         receiver,
     )

@@ -11,7 +11,7 @@ from __future__ import annotations
 
 import threading
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Iterator, Sequence
 from pathlib import Path
 
 import pyarrow as pa
@@ -21,6 +21,21 @@ from test_cli import Running, last_error_line, new_code, ours
 
 from spark_dilation.errors import PeerTimeoutError, TransferError, WrongCodeError
 from spark_dilation.transfer.options import TransferOptionError, TransferOptions
+
+
+@pytest.fixture
+def background() -> Iterator[Callable[[Sequence[str]], Running]]:
+    """Background processes, killed at teardown if still running (as test_cli's)."""
+    started: list[Running] = []
+
+    def start(args: Sequence[str]) -> Running:
+        started.append(Running(args))
+        return started[-1]
+
+    yield start
+    for running in started:
+        running.kill()
+
 
 # --- no path at all ------------------------------------------------------------------------
 
