@@ -204,8 +204,8 @@ class SenderSession:
         )
 
     def cancel(self) -> None:
-        """Close the wormhole: a receiver not yet met will not be met; :meth:`wait`
-        (in any thread) raises :class:`TransferError`."""
+        """Close the wormhole: a receiver not yet met will not be met; a :meth:`wait`
+        under way (in any thread) fails with the wormhole's error (``LonelyError``)."""
         call_soon(self._w.close)
 
 
