@@ -8,6 +8,7 @@ Python API over the real mailbox and relay.
 
 from __future__ import annotations
 
+import contextlib
 import os
 import pickle
 import signal
@@ -29,6 +30,7 @@ from spark_dilation.transfer.readerhost import start_reader_host
 from spark_dilation.transfer.registry import (
     DONE,
     FAILED,
+    HOSTED_CLAIM_WAIT,
     NONE,
     RECEIVING,
     HostInfo,
@@ -70,6 +72,56 @@ def test_registry_rules() -> None:
     reg2.claim(0, host("a"), complete=False)
     reg2.failed(0, host("a"), {"type": "TransferAbortedError", "module": "m", "message": "x"})
     assert reg2.claim(0, host("b"), complete=False)["do"] == "error"
+
+
+def test_registry_hosts_a_lane_nobody_claims_and_again_when_its_receiver_goes() -> None:
+    """The registry receives a lane no read task claimed within the grace period; when
+    that receiver (or any lane's receiver) goes before the lane is done and no task
+    claims it again within the grace period, the registry hosts it again: the sender
+    never waits for a slot that a lane blocked on the manifest holds."""
+    reg = LaneRegistry(3)
+    assert reg.unclaimed(now=0.0, grace=5.0) == []  # the action has not started
+    reg.claim(0, host("a"), complete=False, now=10.0)
+    assert reg.unclaimed(now=14.0, grace=5.0) == []
+    assert reg.unclaimed(now=15.0, grace=5.0) == [1, 2]
+    reg.hosting(1, now=15.0)
+    reg.hosting(2, now=15.0)
+    reg.claim(1, host("driver"), complete=False, now=15.5)
+    reg.claim(2, host("driver"), complete=False, now=15.5)
+    assert reg.unclaimed(now=16.0, grace=5.0) == []
+    reg.gone("driver", now=20.0)  # the driver's receiver died mid-lane
+    assert [reg.lanes[lane].state for lane in (1, 2)] == [NONE, NONE]
+    assert reg.unclaimed(now=24.0, grace=5.0) == []  # a rerun task may claim it first
+    assert reg.claim(2, host("b"), complete=False, now=24.5) == {"do": "receive"}
+    assert reg.unclaimed(now=25.0, grace=5.0) == [1]
+    reg.gone("a", now=30.0)  # lane 0's receiver (a read task's machine) is lost
+    assert reg.unclaimed(now=35.0, grace=5.0) == [0, 1]
+    # A host the registry started that dies before it claims: another after a while.
+    reg.hosting(0, now=35.0)
+    assert reg.unclaimed(now=36.0, grace=5.0) == [1]
+    assert reg.unclaimed(now=35.0 + HOSTED_CLAIM_WAIT, grace=5.0) == [0, 1]
+
+
+def test_registry_fails_a_lane_it_cannot_host() -> None:
+    reg = LaneRegistry(2)
+    reg.claim(0, host("a"), complete=False, now=0.0)
+    for attempt in range(1, 4):
+        assert reg.unclaimed(now=10.0 * attempt, grace=5.0) == [1]
+        reg.hosting(1, now=10.0 * attempt)
+        assert reg.unclaimed(now=10.0 * attempt + 1, grace=5.0) == []
+        reg.hosting_failed(1, "its receiver process exited with code 1", now=10.0 * attempt + 2)
+    assert reg.lanes[1].state == FAILED
+    assert reg.unclaimed(now=100.0, grace=5.0) == []
+    error = reg.claim(1, host("b"), complete=False, now=101.0)["error"]
+    assert "did not start (3 tries): its receiver process exited with code 1" in error["message"]
+    # A read task that claimed the lane while the registry tried keeps it.
+    reg2 = LaneRegistry(2)
+    reg2.claim(0, host("a"), complete=False, now=0.0)
+    reg2.hosting(1, now=5.0)
+    assert reg2.claim(1, host("b"), complete=False, now=6.0) == {"do": "receive"}
+    for _ in range(3):
+        reg2.hosting_failed(1, "x", now=7.0)
+    assert reg2.lanes[1].state == RECEIVING
 
 
 def table(rows: int) -> pa.Table:
@@ -190,6 +242,70 @@ def test_any_machine_reads_any_lane_until_every_copy_is_gone(
         assert not list((tmp_path / "e").rglob("lane-1")), list((tmp_path / "e").rglob("*"))
     finally:
         owner.kill()
+
+
+def test_a_lane_the_registry_receives_is_received_again_when_its_receiver_dies(
+    mailbox_url: str, relay_url: str, tmp_path: Path
+) -> None:
+    """One read task runs lane 0 (it waits for the manifest, holding its slot); the
+    registry receives lane 1 on the driver's machine. That receiver dies mid-partition:
+    the registry starts another after the grace period (before, the lane stayed
+    'claimed' with nobody receiving it, and both sides waited for their timeouts), and
+    every row arrives exactly once."""
+    from spark_dilation.transfer.readerhost import LANE_GRACE
+
+    data = table(40_000)
+    code = "80209-registry-rehost"
+    opts = {"mailbox": mailbox_url, "relay": relay_url, "peer_timeout": 60}
+    sent: dict[str, Any] = {}
+
+    def send() -> None:
+        try:
+            sent["report"] = send_dataset(data, code=code, test_fail="sender-pause:8", **opts)
+        except BaseException as e:  # reported by the assertion below
+            sent["error"] = e
+
+    sender = threading.Thread(target=send, daemon=True)
+    sender.start()
+    owner = subprocess.Popen(["sleep", "600"])  # the driver JVM's stand-in
+    try:
+        spec = receive_session(code, TransferOptions(lanes=2, **opts))
+        driver = on_machine(spec, tmp_path / "driver")
+        spec = start_reader_host(driver, owner=owner.pid)
+        got: dict[str, Any] = {}
+
+        def read_lane0() -> None:
+            try:
+                got["ids"] = read_all(on_machine(spec, tmp_path / "a"), 0)
+            except BaseException as e:  # reported by the assertion below
+                got["error"] = e
+
+        task = threading.Thread(target=read_lane0, daemon=True)
+        task.start()
+        lane1 = LaneStaging(driver.options.staging_root, spec.transfer_id, 1)
+        deadline = time.monotonic() + 60
+        while not list(lane1.dir.glob(".p*.partial")):
+            assert time.monotonic() < deadline, "the registry did not receive lane 1"
+            time.sleep(0.1)
+        first = host_pid(driver, 1)
+        os.kill(first, signal.SIGKILL)
+        killed = time.monotonic()
+        while True:
+            with contextlib.suppress(OSError, ValueError):
+                if host_pid(driver, 1) != first:
+                    break
+            assert time.monotonic() - killed < 60, "nobody receives lane 1 again"
+            time.sleep(0.1)
+        assert time.monotonic() - killed >= LANE_GRACE - 1  # a rerun task may come first
+        task.join(120)
+        assert "error" not in got, got.get("error")
+        lane1_ids = read_all(on_machine(spec, tmp_path / "b"), 1)
+        assert sorted(got["ids"] + lane1_ids) == list(range(40_000))
+        sender.join(60)
+        assert "error" not in sent, sent.get("error")
+    finally:
+        owner.kill()
+        owner.wait()
 
 
 # A read task's worker: reads lane 1, prints its host's pid and the error, exits.

@@ -8,9 +8,11 @@ namespace has a default route, and the clusters meet through the relay only
 
 from __future__ import annotations
 
+import contextlib
 import json
 import os
 import signal
+import subprocess
 import sys
 import time
 from pathlib import Path
@@ -46,10 +48,31 @@ def _report(log: Path) -> dict[str, Any]:
     return json.loads(lines[-1].split(REPORT_PREFIX, 1)[1])
 
 
+_drivers: list[Any] = []
+"""The driver processes the running test started (killed at its end if still running)."""
+
+
+@pytest.fixture(autouse=True)
+def _no_driver_outlives_its_test() -> Any:
+    """A test that fails mid-transfer leaves its applications holding the clusters' task
+    slots: kill them, so the next test starts on idle clusters."""
+    yield
+    while _drivers:
+        proc = _drivers.pop()
+        with contextlib.suppress(ProcessLookupError):
+            _kill_application(proc)
+
+
+def _driver(nc: NetClusters, cluster: Cluster, argv: list[str], log: Path) -> Any:
+    proc = nc.run_driver(cluster, argv, log)
+    _drivers.append(proc)
+    return proc
+
+
 def Reader(nc: NetClusters, code: str, name: str) -> SteppedReader:
     """The stepped reader application on cluster B."""
     return SteppedReader(
-        lambda argv, log: nc.run_driver(nc.b, argv, log),
+        lambda argv, log: _driver(nc, nc.b, argv, log),
         nc.log_dir / name,
         nc.log_dir / f"{name}-reader.log",
         code=code, mailbox=nc.mailbox_url, relay=nc.relay_url, master=nc.b.master_url,
@@ -58,7 +81,8 @@ def Reader(nc: NetClusters, code: str, name: str) -> SteppedReader:
 
 def _send(nc: NetClusters, code: str, name: str, *extra: str) -> tuple[Any, Path]:
     log = nc.log_dir / f"{name}-writer.log"
-    proc = nc.run_driver(
+    proc = _driver(
+        nc,
         nc.a,
         [
             PY, "-m", "spark_dilation.testing.spark_peer", "send", "--code", code,
@@ -122,6 +146,36 @@ def _helpers(cluster: Cluster, *modules: str) -> list[str]:
 
 def _lane_hosts(cluster: Cluster) -> list[str]:
     return _helpers(cluster, "lanehost", "readerhost")
+
+
+def _helper_logs(cluster: Cluster, n: int = 40) -> str:
+    """The tails of the helper logs still on the cluster's machines (for a failure)."""
+    out = []
+    for m in cluster.machines:
+        for log in sorted((m.tmp / "spark-dilation").glob("**/*.log")):
+            out.append(f"--- {m.name}: {log}\n{_tail(log, n)}")
+    return "\n".join(out) or "(no helper logs left)"
+
+
+def _ended(proc: Any, timeout: float, nc: NetClusters) -> int:
+    """``proc``'s exit code; if it runs on after ``timeout``, fail with the helpers' logs."""
+    try:
+        return proc.wait(timeout)
+    except subprocess.TimeoutExpired:
+        logs = f"{_helper_logs(nc.a)}\n{_helper_logs(nc.b)}"
+        what = " ".join(map(str, proc.args))[-200:]
+        raise AssertionError(f"still running after {timeout} s: ...{what}\n{logs}") from None
+
+
+def _wait_for_sender_host_exit(nc: NetClusters, limit: float = 30) -> None:
+    """Once its application has ended, the sender host tells the lanes and leaves; it
+    does not wait for the dead application's tasks (that took 30 s more)."""
+    deadline = time.monotonic() + limit
+    while _helpers(nc.a, "senderhost"):
+        assert time.monotonic() < deadline, (
+            f"the sender host did not exit within {limit} s:\n{_helper_logs(nc.a)}"
+        )
+        time.sleep(0.2)
 
 
 def _wait_until(what: str, predicate: Any, timeout: float) -> float:
@@ -254,7 +308,8 @@ def test_direct_path_between_clusters_without_default_routes(direct_paths: NetCl
     nc = direct_paths
     writer, writer_log = _send(nc, "8-multi-machine-direct", "direct")
     log = nc.log_dir / "direct-reader.log"
-    reader = nc.run_driver(
+    reader = _driver(
+        nc,
         nc.b,
         [
             PY, "-m", "spark_dilation.testing.spark_peer", "receive", "--code",
@@ -263,8 +318,8 @@ def test_direct_path_between_clusters_without_default_routes(direct_paths: NetCl
         ],
         log,
     )  # fmt: skip
-    assert writer.wait(400) == 0, _tail(writer_log)
-    assert reader.wait(400) == 0, _tail(log)
+    assert _ended(writer, 400, nc) == 0, _tail(writer_log)
+    assert _ended(reader, 400, nc) == 0, _tail(log)
     sent, got = _json_line(writer_log, "side"), _json_line(log, "side")
     assert sent and got and got["digest"] == sent["digest"], (sent, got)
     report = _report(writer_log)
@@ -289,7 +344,7 @@ def test_writer_application_killed_mid_transfer(net_clusters: NetClusters) -> No
     took = time.monotonic() - killed
     assert "writing application ended" in failed.get("error", ""), failed
     assert took < 60, f"the reader's action failed {took:.0f} s after the writer died"
-    _wait_until("the sender host to exit", lambda: not _helpers(nc.a, "senderhost"), 60)
+    _wait_for_sender_host_exit(nc)
     assert reader.step("stop")["action"] == "stop"
     reader.proc.wait(120)
     _wait_until("the lane hosts to exit", lambda: not _lane_hosts(nc.b), 30)
@@ -324,7 +379,7 @@ def test_reader_application_killed_mid_transfer(net_clusters: NetClusters) -> No
         writer_log
     )
     assert took < 150, f"the writer failed {took:.0f} s after the reader died"
-    _wait_until("the sender host to exit", lambda: not _helpers(nc.a, "senderhost"), 60)
+    _wait_for_sender_host_exit(nc, limit=60)  # its abort finds no lane
 
 
 def test_worker_killed_mid_transfer(net_clusters: NetClusters) -> None:

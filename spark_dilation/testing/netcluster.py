@@ -933,16 +933,21 @@ class NetClusters:
     def _built_machines(self) -> list[Machine]:
         return [m for c in self._built_clusters() for m in c.machines]
 
-    def _collect_executor_logs(self) -> None:
+    def _collect_logs(self) -> None:
+        """Keep the executors' output and the logs of helper processes that are still on
+        disk (a host that exits removes its own; one that is left is what a failure needs)
+        before the run directory goes."""
         for m in self._built_machines():
-            work = m.dir / "work"
-            if not work.is_dir():
-                continue
-            for f in work.glob("*/*/std*"):
-                dest = self.log_dir / "executors" / m.name / f.relative_to(work)
-                dest.parent.mkdir(parents=True, exist_ok=True)
-                with contextlib.suppress(OSError):
-                    shutil.copyfile(f, dest)
+            found = [(m.dir / "work", "*/*/std*", "executors")]
+            found.append((m.tmp / "spark-dilation", "**/*.log", "helpers"))
+            for root, pattern, kind in found:
+                if not root.is_dir():
+                    continue
+                for f in root.glob(pattern):
+                    dest = self.log_dir / kind / m.name / f.relative_to(root)
+                    dest.parent.mkdir(parents=True, exist_ok=True)
+                    with contextlib.suppress(OSError):
+                        shutil.copyfile(f, dest)
 
     def close(self) -> None:
         """Kill everything and delete everything the run made; raise if anything is left.
@@ -980,7 +985,7 @@ class NetClusters:
                         errors.append(f"processes {left} in {ns} survived SIGKILL")
             for m in self._built_machines():
                 attempt(f"reap {m.name}", m._reap)
-            attempt("collect executor logs", self._collect_executor_logs)
+            attempt("collect logs", self._collect_logs)
             attempt("delete namespaces and links", _remove_run_resources, self._info, self._log)
             for link in _links():
                 if link.startswith(self.prefix + "-"):

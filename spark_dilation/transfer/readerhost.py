@@ -126,11 +126,13 @@ class ReaderHost:
 
         log.info("lane %d: no read task claimed it in %g s; receiving it here", lane, LANE_GRACE)
         with self.lock:
-            self.registry.lanes[lane].claimed = True  # its host's claim follows
+            self.registry.hosting(lane, time.monotonic())
         try:
             ensure_host(spec, lane, LaneStaging(spec.options.staging_root, spec.transfer_id, lane))
-        except Exception as e:  # the read tasks still start it where they run
+        except Exception as e:  # tried again later; a read task may claim it meanwhile
             log.warning("lane %d: could not start it here: %s", lane, e)
+            with self.lock:
+                self.registry.hosting_failed(lane, str(e), time.monotonic())
 
     def _serve(self, sock: socket.socket) -> None:
         link = BoxLink(sock, registry_key(self.spec))
@@ -169,7 +171,7 @@ class ReaderHost:
             with self.lock:
                 self.links.discard(link)
                 if host is not None and not self.stopping.is_set():
-                    self.registry.gone(host.host_id)
+                    self.registry.gone(host.host_id, time.monotonic())
                     log.info("after %s left: %s", host.machine, self.registry.snapshot())
 
 

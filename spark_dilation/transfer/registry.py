@@ -17,11 +17,18 @@ Lane states::
 
     NONE --claim--> RECEIVING(host) --done--> DONE(replicas)
     RECEIVING --host gone--> NONE             (a new claim receives; the lane
-                                               itself detects lost partitions)
+                                               itself detects lost partitions;
+                                               unclaimed again: see below)
     RECEIVING --failed--> FAILED(error)
     RECEIVING --claim by another host--> RECEIVING (it follows the receiver)
     DONE --claim--> DONE (fetch from a replica; the fetcher becomes one)
     DONE --last replica gone--> FAILED(cannot heal)
+
+A lane in NONE that no host claims for a grace period after the first claim
+(or after its receiver went) is received by the registry itself
+(:meth:`LaneRegistry.unclaimed`, :meth:`LaneRegistry.hosting`): the sender
+never waits for a task slot. A lane the registry failed to host
+:data:`HOSTING_ATTEMPTS` times fails.
 """
 
 from __future__ import annotations
@@ -30,6 +37,10 @@ from dataclasses import dataclass, field
 from typing import Any
 
 NONE, RECEIVING, DONE, FAILED = "none", "receiving", "done", "failed"
+HOSTING_ATTEMPTS = 3
+HOSTED_CLAIM_WAIT = 90.0
+"""Seconds a host the registry started has to claim its lane (it starts within 60 s,
+then reaches the registry within 10 s) before the registry starts another."""
 
 
 @dataclass(frozen=True)
@@ -66,7 +77,10 @@ class LaneEntry:
     replicas: dict[str, HostInfo] = field(default_factory=dict)
     lost: list[str] = field(default_factory=list)  # machines whose copy went away
     error: dict[str, str] | None = None  # an error_record (hostlink.error_record)
-    claimed: bool = False  # some host ever claimed it (else the registry may host it)
+    claimed: bool = False  # claimed since its last receiver went (else the registry hosts it)
+    left_at: float | None = None  # when its last receiver went
+    hosted_at: float | None = None  # when the registry last started a host for it
+    hosting_failures: int = 0
 
 
 def cannot_heal_record(lane: int, machines: list[str]) -> dict[str, str]:
@@ -97,7 +111,40 @@ class LaneRegistry:
         sender never waits on a task slot; read tasks copy them later."""
         if self.first_claim is None or now - self.first_claim < grace:
             return []
-        return [lane for lane, e in enumerate(self.lanes) if not e.claimed and e.state == NONE]
+        return [
+            lane
+            for lane, e in enumerate(self.lanes)
+            if e.state == NONE
+            and not e.claimed
+            and (e.left_at is None or now - e.left_at >= grace)
+            and (e.hosted_at is None or now - e.hosted_at >= HOSTED_CLAIM_WAIT)
+        ]
+
+    def hosting(self, lane: int, now: float) -> None:
+        """The registry starts a host for the lane (its claim follows)."""
+        self._entry(lane).hosted_at = now
+
+    def hosting_failed(self, lane: int, error: str, now: float) -> None:
+        """The registry could not start a host for the lane: try again after the grace
+        period, and fail the lane after :data:`HOSTING_ATTEMPTS` tries."""
+        entry = self._entry(lane)
+        entry.hosting_failures += 1
+        if entry.state != NONE or entry.claimed:
+            return  # a read task claimed it meanwhile
+        if entry.hosting_failures >= HOSTING_ATTEMPTS:
+            entry.state, entry.error = (
+                FAILED,
+                {
+                    "type": "TransferError",
+                    "module": "spark_dilation.errors",
+                    "message": (
+                        f"lane {lane}: no read task ran it and its receiver on the driver's "
+                        f"machine did not start ({HOSTING_ATTEMPTS} tries): {error}"
+                    ),
+                },
+            )
+        else:
+            entry.hosted_at, entry.left_at = None, now
 
     def _entry(self, lane: int) -> LaneEntry:
         if not 0 <= lane < len(self.lanes):
@@ -152,11 +199,16 @@ class LaneRegistry:
                 if other.state != FAILED:
                     other.state, other.receiver, other.error = FAILED, None, error
 
-    def gone(self, host_id: str) -> None:
-        """A host's connection ended: it died, or its machine was lost."""
+    def gone(self, host_id: str, now: float = 0.0) -> None:
+        """A host's connection ended: it died, or its machine was lost.
+
+        A lane it was receiving is unclaimed again: a new claim receives it (Spark
+        runs its read task again), else the registry hosts it after the grace period.
+        """
         for lane, entry in enumerate(self.lanes):
             if entry.receiver is not None and entry.receiver.host_id == host_id:
                 entry.state, entry.receiver = NONE, None
+                entry.claimed, entry.left_at, entry.hosted_at = False, now, None
             lost = entry.replicas.pop(host_id, None)
             if lost is not None:
                 entry.lost.append(lost.machine)

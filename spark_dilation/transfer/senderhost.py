@@ -89,6 +89,8 @@ class SenderHost:
         self._active = 0
         self._last = time.monotonic()
         self._done = threading.Event()
+        self._orphaned = False
+        """The application ended: its tasks' connections are not worth waiting for."""
 
     # --- lifecycle ---------------------------------------------------------------
 
@@ -126,7 +128,8 @@ class SenderHost:
             listener.close()
             with contextlib.suppress(FileNotFoundError):
                 path.unlink()
-        self._wait_for_tasks(30.0)
+        if not self._orphaned:
+            self._wait_for_tasks(30.0)  # a task (the commit) may still await its answer
         self.pool.close_transfer(self.spec.transfer_id)
         if self._done.is_set():
             shutil.rmtree(host_dir(self.spec), ignore_errors=True)
@@ -135,6 +138,7 @@ class SenderHost:
 
     def _owner_ended(self) -> None:
         """The writing application is gone without a commit or an abort: tell every lane."""
+        self._orphaned = True
         if not self.abort_on_exit:
             log.info("this executor (pid %s) ended: leaving", self.owner)
             self._done.set()
