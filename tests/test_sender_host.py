@@ -7,6 +7,7 @@ host process and real receiving lanes (the Python API's receiver).
 
 from __future__ import annotations
 
+import shutil
 import socket
 import threading
 import time
@@ -165,6 +166,10 @@ def test_a_host_that_dies_mid_partition_is_a_retryable_loss(opts: dict[str, Any]
     receiver.join(120)
     assert "error" not in received, received.get("error")
     assert received["result"].table.sort_by("id").equals(pa.concat_tables(parts))
+    # A host killed with SIGKILL cannot remove its folder (`spark-dilation cleanup`
+    # does, for a user); the test that killed it does.
+    assert host_dir(spec).exists()
+    shutil.rmtree(host_dir(spec))
 
 
 def test_the_host_runs_the_session_for_writer(opts: dict[str, Any], tmp_path: Path) -> None:

@@ -52,7 +52,7 @@ import crochet
 from twisted.internet import defer
 
 from ..errors import CrowdedError, DilationError, ServerConnectionError
-from ..wormhole.blocking import ensure_reactor
+from ..wormhole.blocking import ensure_reactor, run_and_wait
 from .protocol import (
     RENDEZVOUS_APPID,
     ROLE_LANE,
@@ -358,7 +358,13 @@ def pair(
             log.debug("lane %d: paired as %s on slot %d", lane, role, slot)
             return Paired(probe.wormhole, slot, probe.peer_incarnation)
         if probe.outcome != CROWDED:
-            crochet.run_in_reactor(_leave)(probe, step.release).wait(10)
+            run_and_wait(
+                _leave,
+                probe,
+                step.release,
+                timeout=10,
+                on_timeout=lambda slot=slot: RendezvousTimeout(f"leaving slot {slot} took 10 s"),
+            )
         if step.action == "alive":
             raise LaneAlive(f"{what or f'lane {lane}'} is alive on slot {slot}")
 
@@ -401,7 +407,7 @@ def dilate_paired(
     tried and names the option's value, is the one raised.
     """
     from ..dilation.api import dilate
-    from ..dilation.blocking import BlockingDilation
+    from ..dilation.blocking import BlockingDilation, DilationTimeout
 
     names = tuple(listen)
     w = paired.wormhole
@@ -416,7 +422,9 @@ def dilate_paired(
             no_path_timeout=no_path_timeout,
         )
 
-    dw = crochet.run_in_reactor(start)().wait(timeout)
+    dw = run_and_wait(
+        start, timeout=timeout, on_timeout=lambda: DilationTimeout("starting Dilation", timeout)
+    )
     extra = {} if receive_buffer is None else {"receive_buffer": receive_buffer}
     return BlockingDilation(
         dw, listen=names, wormhole=w, peer_timeout=peer_timeout, timeout=timeout, **extra

@@ -381,13 +381,8 @@ def receive_file_blocking(
     Raises a :class:`~spark_dilation.errors.DilationError` with a user-facing
     message on failure, leaving no partial file behind.
     """
-    import crochet
+    from ..wormhole.blocking import run_and_wait
 
-    from ..wormhole.blocking import ensure_reactor
-
-    ensure_reactor()
-
-    @crochet.run_in_reactor
     def run() -> defer.Deferred:
         from twisted.internet import reactor
 
@@ -410,7 +405,12 @@ def receive_file_blocking(
 
         return defer.ensureDeferred(go())
 
-    result = run().wait(timeout + 60 if timeout else 24 * 3600)
+    limit = timeout + 60 if timeout else 24 * 3600  # the wormhole's own timeout comes first
+    result = run_and_wait(
+        run,
+        timeout=limit,
+        on_timeout=lambda: TransferError(f"receiving the file did not end within {limit:g} s"),
+    )
     if isinstance(result, ReceivedText):
         raise TransferError(
             f"the sender offered a text message, not a file: {result.message[:80]!r}"

@@ -58,6 +58,7 @@ def run_and_wait(
     the same reason a Ctrl-C or SIGTERM that arrives before the wait has begun
     (inside crochet's bookkeeping) is held and raised inside it.
     """
+    ensure_reactor()
     held = _HeldSignals()
     try:
         result = crochet.run_in_reactor(fn)(*args)
@@ -83,21 +84,30 @@ class _HeldSignals:
     def __init__(self) -> None:
         self._got: list[tuple[int, Any]] = []
         self._handlers: dict[int, Callable[..., Any]] = {}
+        self._originals: dict[int, Callable[..., Any]] = {}
+        self._released = False
         if threading.current_thread() is not threading.main_thread():
             return
         for s in (signal.SIGINT, signal.SIGTERM):
             handler = signal.getsignal(s)
             if callable(handler):
-                self._handlers[s] = handler
+                self._handlers[s] = self._originals[s] = handler
                 signal.signal(s, self._record)
 
     def _record(self, signum: int, frame: Any) -> None:
+        if self._released:  # still installed: release() was cut short by a signal
+            self._originals[signum](signum, frame)
+            return
         self._got.append((signum, frame))
 
     def release(self) -> None:
-        for s, handler in self._handlers.items():
+        # signal.signal() runs the handlers of pending signals first, so a restore
+        # may raise (KeyboardInterrupt) and leave a later handler ours: it then acts
+        # as the original one.
+        self._released = True
+        handlers, self._handlers = self._handlers, {}
+        for s, handler in handlers.items():
             signal.signal(s, handler)
-        self._handlers = {}
         got, self._got = self._got, []
         for signum, frame in got:
             signal.getsignal(signum)(signum, frame)  # may raise KeyboardInterrupt
@@ -214,7 +224,7 @@ class BlockingWormhole:
     # --- helpers ---
 
     def _call(self, fn: Any) -> Any:
-        return crochet.run_in_reactor(fn)().wait(self.timeout)
+        return self._wait(fn, None)
 
     def _wait(self, fn: Any, timeout: float | None) -> Any:
         limit = self.timeout if timeout is None else timeout
