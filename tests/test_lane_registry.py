@@ -130,6 +130,21 @@ def table(rows: int) -> pa.Table:
     )
 
 
+def send_in_thread(data: pa.Table, code: str, **opts: Any) -> tuple[threading.Thread, dict]:
+    """The Python API's sender in a thread; its dict gets ``report`` or ``error``."""
+    sent: dict[str, Any] = {}
+
+    def send() -> None:
+        try:
+            sent["report"] = send_dataset(data, code=code, **opts)
+        except BaseException as e:  # reported by the test's assertion
+            sent["error"] = e
+
+    sender = threading.Thread(target=send, daemon=True)
+    sender.start()
+    return sender, sent
+
+
 def on_machine(spec: Any, root: Path) -> Any:
     return replace(spec, options=spec.options.with_(staging_dir=str(root)))
 
@@ -169,16 +184,7 @@ def test_any_machine_reads_any_lane_until_every_copy_is_gone(
     data = table(40_000)
     code = "80207-registry-copies"
     opts = {"mailbox": mailbox_url, "relay": relay_url, "peer_timeout": 60}
-    sent: dict[str, Any] = {}
-
-    def send() -> None:
-        try:
-            sent["report"] = send_dataset(data, code=code, **opts)
-        except BaseException as e:  # reported by the assertion below
-            sent["error"] = e
-
-    sender = threading.Thread(target=send, daemon=True)
-    sender.start()
+    sender, sent = send_in_thread(data, code, **opts)
     owner = subprocess.Popen(["sleep", "600"])  # the driver JVM's stand-in
     try:
         spec = receive_session(code, TransferOptions(lanes=2, **opts))
@@ -257,16 +263,7 @@ def test_a_lane_the_registry_receives_is_received_again_when_its_receiver_dies(
     data = table(40_000)
     code = "80209-registry-rehost"
     opts = {"mailbox": mailbox_url, "relay": relay_url, "peer_timeout": 60}
-    sent: dict[str, Any] = {}
-
-    def send() -> None:
-        try:
-            sent["report"] = send_dataset(data, code=code, test_fail="sender-pause:8", **opts)
-        except BaseException as e:  # reported by the assertion below
-            sent["error"] = e
-
-    sender = threading.Thread(target=send, daemon=True)
-    sender.start()
+    sender, sent = send_in_thread(data, code, test_fail="sender-pause:8", **opts)
     owner = subprocess.Popen(["sleep", "600"])  # the driver JVM's stand-in
     try:
         spec = receive_session(code, TransferOptions(lanes=2, **opts))
