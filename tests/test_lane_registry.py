@@ -246,6 +246,31 @@ def test_any_machine_reads_any_lane_until_every_copy_is_gone(
         wait_gone(pid, 15)
         assert time.monotonic() - started < 10
         assert not list((tmp_path / "e").rglob("lane-1")), list((tmp_path / "e").rglob("*"))
+
+        # A host whose read task died before the host even ran (its executor killed with
+        # the application) is init's child from the start: it must not take init for its
+        # launcher and keep its error for ORPHAN_LINGER (a CI run saw lane hosts outlive
+        # their application by 30 s this way).
+        from spark_dilation.transfer.lanehost import ORPHAN_LINGER
+        from spark_dilation.transfer.laneshare import REGISTRY_CONNECT
+        from spark_dilation.transfer.lifetime import spawn, write_private
+
+        gone_task = subprocess.Popen(["true"])
+        gone_task.wait()
+        staging = LaneStaging(
+            on_machine(spec, tmp_path / "f").options.staging_root, spec.transfer_id, 1
+        )
+        staging.ensure()
+        spec_path = write_private(staging.dir, on_machine(spec, tmp_path / "f"))
+        orphan = spawn(
+            "spark_dilation.transfer.lanehost",
+            [str(spec_path), "1", str(gone_task.pid)],
+            staging.dir / "host.log",
+        )
+        started = time.monotonic()
+        orphan.wait(REGISTRY_CONNECT + ORPHAN_LINGER + 30)
+        assert time.monotonic() - started < REGISTRY_CONNECT + ORPHAN_LINGER / 2
+        assert not staging.dir.exists(), list(staging.dir.rglob("*"))
     finally:
         owner.kill()
 

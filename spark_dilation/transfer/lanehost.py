@@ -42,8 +42,13 @@ STAGING_CHECK = 1.0  # how often a complete host checks that its staged copy sti
 
 
 def main(argv: list[str] | None = None) -> int:
-    spec_path, lane_text = argv if argv is not None else sys.argv[1:]
+    args = argv if argv is not None else sys.argv[1:]
+    spec_path, lane_text = args[:2]
     lane = int(lane_text)
+    # The process that started this host, named by itself: by the time this runs,
+    # a launcher that has died already (a read task killed with its executor) is
+    # no longer our parent, and getppid() would name init instead.
+    launcher = int(args[2]) if len(args) > 2 else os.getppid()
     spec = read_private(spec_path)  # it holds the transfer secret
     logging.basicConfig(
         level=logging.INFO, format=f"%(asctime)s lane-{lane} %(name)s %(levelname)s %(message)s"
@@ -51,7 +56,7 @@ def main(argv: list[str] | None = None) -> int:
     logging.getLogger("twisted").setLevel(logging.WARNING)
     staging = LaneStaging(spec.options.staging_root, spec.transfer_id, lane)
     if spec.registry is not None:
-        return RegisteredLane(spec, lane, staging).run()
+        return RegisteredLane(spec, lane, staging, launcher).run()
     receiver = lane_receiver(spec, lane)
     if receiver is None:
         return 0  # another host holds the lane
@@ -67,11 +72,11 @@ def main(argv: list[str] | None = None) -> int:
 class RegisteredLane:
     """One lane on this machine under the application's registry (see the module docstring)."""
 
-    def __init__(self, spec: TransferSpec, lane: int, staging: LaneStaging) -> None:
+    def __init__(self, spec: TransferSpec, lane: int, staging: LaneStaging, launcher: int) -> None:
         self.spec, self.lane, self.staging = spec, lane, staging
         self.receiver: LaneReceiver | None = None
         self.ended = threading.Event()
-        self.launcher = os.getppid()  # the read task's Python worker that started this host
+        self.launcher = launcher  # the read task's Python worker (or registry) that started it
 
     def run(self) -> int:
         from .laneshare import LaneServer, RegistryLink
@@ -167,8 +172,10 @@ class RegisteredLane:
         with it would let that task start another host, never seeing why), but only
         while that task's worker lives: when the application itself has ended, Spark
         kills its workers within seconds and nothing may stay behind for long."""
+        from .lifetime import alive
+
         deadline = time.monotonic() + ORPHAN_LINGER
-        while time.monotonic() < deadline and os.getppid() == self.launcher:
+        while time.monotonic() < deadline and alive(self.launcher):
             time.sleep(0.2)
 
     def _application_ended(self, why: str) -> None:

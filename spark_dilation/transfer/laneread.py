@@ -132,7 +132,9 @@ def _spawn_host(spec: TransferSpec, lane: int, staging: LaneStaging) -> Any:
     staging.ensure()
     spec_path = write_private(staging.dir, spec)
     return spawn(
-        "spark_dilation.transfer.lanehost", [str(spec_path), str(lane)], staging.dir / "host.log"
+        "spark_dilation.transfer.lanehost",
+        [str(spec_path), str(lane), str(os.getpid())],
+        staging.dir / "host.log",
     )
 
 
