@@ -1,9 +1,9 @@
 """The lane host: one lane of a loaded dataset on one machine, in a process of its own.
 
 ``read_lane`` starts it (``python -m spark_dilation.transfer.lanehost SPEC
-LANE``) so that receiving does not depend on the Spark Python worker that
-asked for the lane: Spark ends a worker when ``show()`` has its rows and
-kills idle ones. The host holds the lane's lock on this machine.
+LANE LAUNCHER_PID``) so that receiving does not depend on the Spark Python
+worker that asked for the lane: Spark ends a worker when ``show()`` has its
+rows and kills idle ones. The host holds the lane's lock on this machine.
 
 With a lane registry (``spec.registry``, every Spark read), the host claims
 its lane there and does what the registry says (:mod:`.registry`): receive
