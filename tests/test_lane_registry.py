@@ -32,6 +32,7 @@ from spark_dilation.transfer.registry import (
     FAILED,
     HOSTED_CLAIM_WAIT,
     NONE,
+    RECEIVER_GONE_WAIT,
     RECEIVING,
     HostInfo,
     LaneRegistry,
@@ -91,28 +92,31 @@ def test_registry_hosts_a_lane_nobody_claims_and_again_when_its_receiver_goes() 
     assert reg.unclaimed(now=16.0, grace=5.0) == []
     reg.gone("driver", now=20.0)  # the driver's receiver died mid-lane
     assert [reg.lanes[lane].state for lane in (1, 2)] == [NONE, NONE]
-    assert reg.unclaimed(now=24.0, grace=5.0) == []  # a rerun task may claim it first
-    assert reg.claim(2, host("b"), complete=False, now=24.5) == {"do": "receive"}
-    assert reg.unclaimed(now=25.0, grace=5.0) == [1]
-    reg.gone("a", now=30.0)  # lane 0's receiver (a read task's machine) is lost
-    assert reg.unclaimed(now=35.0, grace=5.0) == [0, 1]
+    later = 20.0 + RECEIVER_GONE_WAIT
+    assert reg.unclaimed(now=later - 1, grace=5.0) == []  # a rerun task may claim it first
+    assert reg.claim(2, host("b"), complete=False, now=later - 0.5) == {"do": "receive"}
+    assert reg.unclaimed(now=later, grace=5.0) == [1]
+    reg.gone("a", now=later)  # lane 0's receiver (a read task's machine) is lost
+    assert reg.unclaimed(now=later + RECEIVER_GONE_WAIT, grace=5.0) == [0, 1]
     # A host the registry started that dies before it claims: another after a while.
-    reg.hosting(0, now=35.0)
-    assert reg.unclaimed(now=36.0, grace=5.0) == [1]
-    assert reg.unclaimed(now=35.0 + HOSTED_CLAIM_WAIT, grace=5.0) == [0, 1]
+    now = later + RECEIVER_GONE_WAIT
+    reg.hosting(0, now=now)
+    assert reg.unclaimed(now=now + 1, grace=5.0) == [1]
+    assert reg.unclaimed(now=now + HOSTED_CLAIM_WAIT, grace=5.0) == [0, 1]
 
 
 def test_registry_fails_a_lane_it_cannot_host() -> None:
     reg = LaneRegistry(2)
     reg.claim(0, host("a"), complete=False, now=0.0)
+    step = RECEIVER_GONE_WAIT + 10
     for attempt in range(1, 4):
-        assert reg.unclaimed(now=10.0 * attempt, grace=5.0) == [1]
-        reg.hosting(1, now=10.0 * attempt)
-        assert reg.unclaimed(now=10.0 * attempt + 1, grace=5.0) == []
-        reg.hosting_failed(1, "its receiver process exited with code 1", now=10.0 * attempt + 2)
+        assert reg.unclaimed(now=step * attempt, grace=5.0) == [1]
+        reg.hosting(1, now=step * attempt)
+        assert reg.unclaimed(now=step * attempt + 1, grace=5.0) == []
+        reg.hosting_failed(1, "its receiver process exited with code 1", now=step * attempt + 2)
     assert reg.lanes[1].state == FAILED
-    assert reg.unclaimed(now=100.0, grace=5.0) == []
-    error = reg.claim(1, host("b"), complete=False, now=101.0)["error"]
+    assert reg.unclaimed(now=10 * step, grace=5.0) == []
+    error = reg.claim(1, host("b"), complete=False, now=10 * step)["error"]
     assert "did not start (3 tries): its receiver process exited with code 1" in error["message"]
     # A read task that claimed the lane while the registry tried keeps it.
     reg2 = LaneRegistry(2)
@@ -283,8 +287,6 @@ def test_a_lane_the_registry_receives_is_received_again_when_its_receiver_dies(
     the registry starts another after the grace period (before, the lane stayed
     'claimed' with nobody receiving it, and both sides waited for their timeouts), and
     every row arrives exactly once."""
-    from spark_dilation.transfer.readerhost import LANE_GRACE
-
     data = table(40_000)
     code = "80209-registry-rehost"
     opts = {"mailbox": mailbox_url, "relay": relay_url, "peer_timeout": 60}
@@ -316,9 +318,9 @@ def test_a_lane_the_registry_receives_is_received_again_when_its_receiver_dies(
             with contextlib.suppress(OSError, ValueError):
                 if host_pid(driver, 1) != first:
                     break
-            assert time.monotonic() - killed < 60, "nobody receives lane 1 again"
+            assert time.monotonic() - killed < RECEIVER_GONE_WAIT + 60, "nobody receives it again"
             time.sleep(0.1)
-        assert time.monotonic() - killed >= LANE_GRACE - 1  # a rerun task may come first
+        assert time.monotonic() - killed >= RECEIVER_GONE_WAIT - 1  # a rerun task may come first
         task.join(120)
         assert "error" not in got, got.get("error")
         lane1_ids = read_all(on_machine(spec, tmp_path / "b"), 1)

@@ -25,7 +25,7 @@ Lane states::
     DONE --last replica gone--> FAILED(cannot heal)
 
 A lane in NONE that no host claims for a grace period after the first claim
-(or after its receiver went) is received by the registry itself
+(or :data:`RECEIVER_GONE_WAIT` after its receiver went) is received by the registry itself
 (:meth:`LaneRegistry.unclaimed`, :meth:`LaneRegistry.hosting`): the sender
 never waits for a task slot. A lane the registry failed to host
 :data:`HOSTING_ATTEMPTS` times fails.
@@ -38,6 +38,9 @@ from typing import Any
 
 NONE, RECEIVING, DONE, FAILED = "none", "receiving", "done", "failed"
 HOSTING_ATTEMPTS = 3
+RECEIVER_GONE_WAIT = 30.0
+"""Seconds a lane whose receiver went waits for a new claim (Spark's rerun of the task,
+or the read task's new host after a lost link) before the registry receives it."""
 HOSTED_CLAIM_WAIT = 90.0
 """Seconds a host the registry started has to claim its lane (it starts within 60 s,
 then reaches the registry within 10 s) before the registry starts another."""
@@ -116,7 +119,7 @@ class LaneRegistry:
             for lane, e in enumerate(self.lanes)
             if e.state == NONE
             and not e.claimed
-            and (e.left_at is None or now - e.left_at >= grace)
+            and (e.left_at is None or now - e.left_at >= max(grace, RECEIVER_GONE_WAIT))
             and (e.hosted_at is None or now - e.hosted_at >= HOSTED_CLAIM_WAIT)
         ]
 
@@ -125,8 +128,8 @@ class LaneRegistry:
         self._entry(lane).hosted_at = now
 
     def hosting_failed(self, lane: int, error: str, now: float) -> None:
-        """The registry could not start a host for the lane: try again after the grace
-        period, and fail the lane after :data:`HOSTING_ATTEMPTS` tries."""
+        """The registry could not start a host for the lane: try again after
+        RECEIVER_GONE_WAIT, and fail the lane after :data:`HOSTING_ATTEMPTS` tries."""
         entry = self._entry(lane)
         entry.hosting_failures += 1
         if entry.state != NONE or entry.claimed:
@@ -203,7 +206,7 @@ class LaneRegistry:
         """A host's connection ended: it died, or its machine was lost.
 
         A lane it was receiving is unclaimed again: a new claim receives it (Spark
-        runs its read task again), else the registry hosts it after the grace period.
+        runs its read task again), else the registry hosts it after RECEIVER_GONE_WAIT.
         """
         for lane, entry in enumerate(self.lanes):
             if entry.receiver is not None and entry.receiver.host_id == host_id:
