@@ -84,19 +84,18 @@ class _HeldSignals:
     def __init__(self) -> None:
         self._got: list[tuple[int, Any]] = []
         self._handlers: dict[int, Callable[..., Any]] = {}
-        self._originals: dict[int, Callable[..., Any]] = {}
         self._released = False
         if threading.current_thread() is not threading.main_thread():
             return
         for s in (signal.SIGINT, signal.SIGTERM):
             handler = signal.getsignal(s)
             if callable(handler):
-                self._handlers[s] = self._originals[s] = handler
+                self._handlers[s] = handler
                 signal.signal(s, self._record)
 
     def _record(self, signum: int, frame: Any) -> None:
         if self._released:  # still installed: release() was cut short by a signal
-            self._originals[signum](signum, frame)
+            self._handlers[signum](signum, frame)
             return
         self._got.append((signum, frame))
 
@@ -105,8 +104,7 @@ class _HeldSignals:
         # may raise (KeyboardInterrupt) and leave a later handler ours: it then acts
         # as the original one.
         self._released = True
-        handlers, self._handlers = self._handlers, {}
-        for s, handler in handlers.items():
+        for s, handler in self._handlers.items():
             signal.signal(s, handler)
         got, self._got = self._got, []
         for signum, frame in got:
