@@ -201,7 +201,7 @@ class Timeline:
     (session, Spark planning, the first partition's encoding), the stream
     (first to last MB on the wire; ``link_idle_s`` of it the link had nothing
     to carry), and after the last byte (commit, the reader's count). CPU busy
-    is the share of all cores in use during the stream (``/proc/stat``).
+    is the share of all cores in use during the stream, and before it (``/proc/stat``).
     """
 
     def __init__(self, topo: Topology, period: float = 0.25) -> None:
@@ -209,6 +209,7 @@ class Timeline:
         self.samples: list[tuple[float, int, int, int]] = []
         # pid: (side kind, [(time, CPU seconds so far), ...])
         self.cpu: dict[str, tuple[str, list[tuple[float, float]]]] = {}
+        self.cmd: dict[str, str] = {}  # pid: command line as last seen
         self._stop = threading.Event()
         self._thread = threading.Thread(target=self._run, daemon=True)
         self._first_round = float("inf")  # end of the first sampling of the processes
@@ -250,6 +251,17 @@ class Timeline:
             series = self.cpu.get(pid, ("", []))[1]  # the kind as last seen: ip netns exec execs
             series.append((time.time(), cpu))
             self.cpu[pid] = (f"{side} {_kind(cmd)}", series)
+            self.cmd[pid] = cmd.replace("\0", " ").strip()
+
+    def processes(self, t0: float) -> list[dict[str, Any]]:
+        """Each process seen: when (from ``t0``), CPU seconds, command (``--logs``)."""
+        rows = [
+            {"pid": int(pid), "kind": kind, "seen_s": round(s[0][0] - t0, 2),
+             "gone_s": round(s[-1][0] - t0, 2), "cpu_s": round(s[-1][1] - s[0][1], 2),
+             "cpu_at_seen": round(s[0][1], 2), "cmd": self.cmd.get(pid, "")[:160]}
+            for pid, (kind, s) in self.cpu.items()
+        ]  # fmt: skip
+        return sorted(rows, key=lambda r: r["seen_s"])
 
     def cpu_by_kind(self, t0: float, t1: float) -> dict[str, float]:
         """CPU seconds each (side, kind) used between ``t0`` and ``t1`` (the measured time)."""
@@ -276,8 +288,10 @@ class Timeline:
         streamed = last[1] - first[1]
         stream_s = max(last[0] - first[0], 1e-9)
         cpu = (last[2] - first[2]) / max(last[3] - first[3], 1)
+        cpu_before = (first[2] - s[0][2]) / max(first[3] - s[0][3], 1)
         return {
             "before_first_mb_s": round(first[0] - t0, 2),
+            "cpu_busy_before_first_mb": round(cpu_before, 2),
             "stream_s": round(stream_s, 2),
             "stream_mb_s": round(streamed / MB / stream_s, 2),
             "link_idle_s": round(max(0.0, stream_s - streamed / (link_mb_s * MB)), 2),
@@ -336,6 +350,9 @@ def run_dilation(
         got = _json_line(receiver.communicate(timeout=3600)[0])
     wire = topo.wire_bytes() - before
     (tmp / f"result-{case}-{n}.json").write_text(json.dumps({"sent": sent, "got": got}))
+    t0 = max(sent["t0"], got["t0"])
+    with (tmp / f"processes-{case}-{n}.jsonl").open("w") as f:
+        f.writelines(json.dumps(row) + "\n" for row in timeline.processes(t0))
     for side in (sent, got):
         if "error" in side:
             raise RuntimeError(f"{case}: {side['error']}")

@@ -106,6 +106,11 @@ class L2Connection:
         """The Noise handshake is complete."""
         return self._transport is not None
 
+    @property
+    def missing(self) -> int:
+        """Bytes of a record that has begun to arrive and is not complete yet."""
+        return self._framer.missing
+
     def connection_made(self) -> list[Event]:
         return [Write(self._framer.connection_made())]
 

@@ -153,6 +153,16 @@ class Framer:
         """Bytes held for an incomplete frame (at most ``max_frame + 4``)."""
         return len(self._partial)
 
+    @property
+    def missing(self) -> int:
+        """Bytes known to be on their way: the rest of the incomplete frame (0 if none;
+        only its header's rest while the header itself is incomplete)."""
+        if not self._partial:
+            return 0
+        if self._need == 0:
+            return FRAME_HEADER_SIZE - len(self._partial)
+        return self._need - len(self._partial)
+
     def connection_made(self) -> bytes:
         """What to write first: the relay handshake if relaying, else our prologue."""
         if self._relay_handshake is not None:

@@ -249,8 +249,7 @@ class DilationManager:
         self._l2 = p
         self._connector = None
         p.transport.registerProducer(self, True)
-        if self._reading_paused:
-            p.transport.pauseProducing()
+        p.set_flow_paused(self._reading_paused)
         p.attach(self)
         for record in self._outbound.use_connection():
             p.send_record(record)
@@ -526,14 +525,14 @@ class DilationManager:
     def pause_reading(self) -> None:
         self._reading_paused = True
         if self._l2 is not None:
-            self._l2.transport.pauseProducing()
+            self._l2.set_flow_paused(True)
             if self._keepalive is not None:
                 self._keepalive.reading_paused(self._reactor.seconds())
 
     def resume_reading(self) -> None:
         self._reading_paused = False
         if self._l2 is not None:
-            self._l2.transport.resumeProducing()
+            self._l2.set_flow_paused(False)
             if self._keepalive is not None:
                 self._keepalive.reading_resumed(self._reactor.seconds())
                 self._arm_ka_timer()
