@@ -248,10 +248,12 @@ class Timeline:
             except OSError:
                 continue
             cpu = (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
-            series = self.cpu.get(pid, ("", []))[1]  # the kind as last seen: ip netns exec execs
+            kind, series = self.cpu.get(pid, ("", []))
             series.append((time.time(), cpu))
-            self.cpu[pid] = (f"{side} {_kind(cmd)}", series)
-            self.cmd[pid] = cmd.replace("\0", " ").strip()
+            if cmd or not kind:  # the kind as last seen (ip netns exec execs); an exiting
+                kind = f"{side} {_kind(cmd)}"  # process's command line reads empty
+                self.cmd[pid] = cmd.replace("\0", " ").strip()
+            self.cpu[pid] = (kind, series)
 
     def processes(self, t0: float) -> list[dict[str, Any]]:
         """Each process seen: when (from ``t0``), CPU seconds, command (``--logs``)."""
