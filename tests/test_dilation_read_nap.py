@@ -2,8 +2,9 @@
 
 A record that arrives a packet at a time costs a reactor wake-up per packet.
 After a small read in the middle of a record, the selected connection stops
-reading for ``READ_NAP``; the manager's back-pressure pause is kept apart
-from it. Real L2 connections (Noise handshake done in process), a
+reading for a nap (``READ_NAP`` at first, then as long as the link takes to
+bring two small reads' worth); the manager's back-pressure pause is kept
+apart from it. Real L2 connections (Noise handshake done in process), a
 ``StringTransport`` and a ``Clock``: no sockets, no wall-clock timing.
 """
 
@@ -16,7 +17,13 @@ from twisted.internet.task import Clock
 from twisted.internet.testing import StringTransport
 
 from spark_dilation.dilation import connection as C
-from spark_dilation.dilation.connector import READ_NAP, SMALL_READ, L2Protocol
+from spark_dilation.dilation.connector import (
+    READ_NAP,
+    READ_NAP_MAX,
+    SMALL_READ,
+    L2Protocol,
+    next_nap,
+)
 from spark_dilation.dilation.framing import FRAME_HEADER_SIZE, Framer, encode_frame
 from spark_dilation.dilation.records import Data
 
@@ -145,7 +152,7 @@ def test_back_pressure_outlasts_a_nap_and_a_nap_outlasts_back_pressure(link: Any
     p.set_flow_paused(True)
     p.set_flow_paused(False)
     assert not _reading(p), "back-pressure's end cut the nap short"
-    connector._reactor.advance(READ_NAP)
+    connector._reactor.advance(READ_NAP_MAX)  # 1.5 KB after a nap: a slow link, a long nap
     assert _reading(p)
 
 
@@ -156,3 +163,39 @@ def test_a_connection_lost_while_napping_leaves_no_timer(link: Any) -> None:
     p.connectionLost()
     assert not connector._reactor.getDelayedCalls()
     assert connector.lost == [p]
+
+
+@pytest.mark.parametrize(
+    ("nap", "read", "expected"),
+    [
+        (READ_NAP, 4 * 1024, 8 * READ_NAP),  # 4 KB in 5 ms: 32 KB take 40 ms
+        (READ_NAP, 2 * SMALL_READ, READ_NAP),  # the link keeps up: the shortest nap
+        (READ_NAP, 64 * 1024, READ_NAP),  # faster still: never below the shortest
+        (READ_NAP_MAX, 100, READ_NAP_MAX),  # a trickle: a record's tail waits no longer
+        (0.02, 16 * 1024, 0.04),
+    ],
+)
+def test_the_next_nap_follows_the_rate_of_the_last(nap: float, read: int, expected: float) -> None:
+    assert next_nap(nap, read) == pytest.approx(expected)
+
+
+def test_a_slow_link_gets_longer_naps_and_a_faster_one_shorter_again(link: Any) -> None:
+    p, leader, connector, owner = link
+    clock = connector._reactor
+    record = leader.encode(Data(1, 0, b"r" * 60_000))
+    p.dataReceived(record[:1500])
+    clock.advance(READ_NAP)
+    p.dataReceived(record[1500:5596])  # 4 KB came during the 5 ms nap
+    assert [c.getTime() - clock.seconds() for c in clock.getDelayedCalls()] == [
+        pytest.approx(8 * READ_NAP)
+    ]
+    clock.advance(8 * READ_NAP)
+    rest = record[5596:]
+    p.dataReceived(rest)  # 54 KB during the 40 ms nap: the link sped up
+    assert _reading(p) and owner.records
+    p.dataReceived(leader.encode(Data(1, 1, b"s" * 60_000))[:1500])
+    shorter = next_nap(8 * READ_NAP, len(rest))
+    assert READ_NAP < shorter < 8 * READ_NAP
+    assert [c.getTime() - clock.seconds() for c in clock.getDelayedCalls()] == [
+        pytest.approx(shorter)
+    ]

@@ -45,10 +45,20 @@ PREFER_DIRECT_WINDOW = 0.5
 # a wake-up of the reactor: a lane relayed at 100 Mbit/s took 23,000 reads of 3 KB
 # for 75 MB, half of its host's CPU. A record's first bytes are of no use before
 # its last, so after a small read in the middle of one (at least SMALL_READ still
-# to come) the selected connection stops reading for READ_NAP and then takes what
+# to come) the selected connection stops reading for a moment and then takes what
 # arrived meanwhile in one read. A fast link reads big pieces and never naps.
 SMALL_READ = 16 * 1024
-READ_NAP = 0.005
+READ_NAP = 0.005  # the first nap, and the shortest
+READ_NAP_MAX = 0.05  # a record's tail waits at most this long for a slow link
+
+
+def next_nap(nap: float, read: int) -> float:
+    """How long the next nap lasts, given that ``read`` bytes came in the read
+    right after a nap of ``nap`` seconds: the time 2 x SMALL_READ bytes take at
+    that rate, within [READ_NAP, READ_NAP_MAX]."""
+    return min(READ_NAP_MAX, max(READ_NAP, nap * 2 * SMALL_READ / max(read, 1)))
+
+
 _ids = itertools.count(1)
 
 
@@ -70,6 +80,8 @@ class L2Protocol(protocol.Protocol):
         # or while napping (SMALL_READ); _update_reading applies both.
         self._flow_paused = False
         self._nap: Any = None  # the IDelayedCall that ends a nap
+        self._nap_length = READ_NAP
+        self._after_nap = False  # the next read tells how fast the link brings bytes
         self._reading = True
 
     def connectionMade(self) -> None:
@@ -82,6 +94,9 @@ class L2Protocol(protocol.Protocol):
         self._apply(self.conn.data_received(data))
         if self.owner is not None:
             self.owner._flush_ack(self)  # one cumulative ACK per received chunk
+            if self._after_nap:
+                self._after_nap = False
+                self._nap_length = next_nap(self._nap_length, len(data))
             if len(data) < SMALL_READ and self.conn.missing >= SMALL_READ and self.connected:
                 self._start_nap()
 
@@ -92,11 +107,12 @@ class L2Protocol(protocol.Protocol):
 
     def _start_nap(self) -> None:
         if self._nap is None:
-            self._nap = self.connector._reactor.callLater(READ_NAP, self._end_nap)
+            self._nap = self.connector._reactor.callLater(self._nap_length, self._end_nap)
             self._update_reading()
 
     def _end_nap(self) -> None:
         self._nap = None
+        self._after_nap = True
         self._update_reading()
 
     def _update_reading(self) -> None:
