@@ -42,13 +42,12 @@ STAGING_CHECK = 1.0  # how often a complete host checks that its staged copy sti
 
 
 def main(argv: list[str] | None = None) -> int:
-    args = argv if argv is not None else sys.argv[1:]
-    spec_path, lane_text = args[:2]
+    spec_path, lane_text, launcher_text = argv if argv is not None else sys.argv[1:]
     lane = int(lane_text)
     # The process that started this host, named by itself: by the time this runs,
     # a launcher that has died already (a read task killed with its executor) is
     # no longer our parent, and getppid() would name init instead.
-    launcher = int(args[2]) if len(args) > 2 else os.getppid()
+    launcher = int(launcher_text)
     spec = read_private(spec_path)  # it holds the transfer secret
     logging.basicConfig(
         level=logging.INFO, format=f"%(asctime)s lane-{lane} %(name)s %(levelname)s %(message)s"
