@@ -27,6 +27,8 @@ applications (one JVM per side):
   application writes ``format("dilation")`` with that ``compression``
   (``auto``: none given), the other loads and counts; seconds from the later
   of ``save()``/``load()`` to the end of ``count()``.
+- ``tuned``: ``auto`` with ``spark_dilation.tune(spark)`` in both applications
+  (Spark's Arrow batch settings, :mod:`spark_dilation.spark.tuning`).
 
 One JSON object per case (the median run with ``--repeat``): ``seconds``,
 ``wire_bytes`` (bytes the sender's link carried towards the relay, from
@@ -61,7 +63,7 @@ MB = 1_000_000
 MAILBOX_PORT = 4000
 RELAY_PORT = 4001
 PROBE_PORT = 5001
-CASES = ("manual", "auto", "none", "lz4", "zstd", "parquet")
+CASES = ("manual", "auto", "tuned", "none", "lz4", "zstd", "parquet")
 
 
 def sh(*argv: str, check: bool = True) -> str:
@@ -328,20 +330,21 @@ def run_dilation(
 ) -> dict:
     code = f"{700 + n}-link-{case}"
     send_err, recv_err = tmp / f"send-{case}-{n}.stderr", tmp / f"recv-{case}-{n}.stderr"
-    options = [] if case == "auto" else ["--option", f"compression={case}"]
+    options = [] if case in ("auto", "tuned") else ["--option", f"compression={case}"]
+    tune = ["--tune"] if case == "tuned" else []
 
     def common(side: str) -> list[str]:
         return ["--code", code, "--mailbox", topo.mailbox(side), "--relay", topo.relay(side)]
 
     before = topo.wire_bytes()
     receiver = subprocess.Popen(
-        [*topo.exec("b"), *PEER, "receive", *common("b"), "--no-show", "--register",
+        [*topo.exec("b"), *PEER, "receive", *common("b"), "--no-show", "--register", *tune,
          "--option", f"lanes={args.lanes}", "--option", f"staging_dir={tmp / 'staging'}"],
         stdout=subprocess.PIPE, stderr=recv_err.open("w"), start_new_session=True,
         **_pinned(args, 1),
     )  # fmt: skip
     sender = subprocess.Popen(
-        [*topo.exec("a"), *PEER, "send", *common("a"), "--register", "--shape", args.shape,
+        [*topo.exec("a"), *PEER, "send", *common("a"), "--register", *tune, "--shape", args.shape,
          "--rows", str(args.rows), "--partitions", str(args.partitions), *options],
         stdout=subprocess.PIPE, stderr=send_err.open("w"), start_new_session=True,
         **_pinned(args, 0),

@@ -164,6 +164,10 @@ def main(argv: list[str] | None = None) -> int:
         help="register the source first (spark_dilation.register): the session's one-time "
         "data source lookup then happens before t0, as for a sink registered by hand",
     )  # fmt: skip
+    p.add_argument(
+        "--tune", action="store_true",
+        help="spark_dilation.tune(spark) after the session starts (the recommended settings)",
+    )  # fmt: skip
     args = p.parse_args(argv)
 
     options = dict(o.split("=", 1) for o in args.option)
@@ -178,6 +182,10 @@ def main(argv: list[str] | None = None) -> int:
         from spark_dilation import register
 
         register(spark)
+    if args.tune:
+        from spark_dilation import tune
+
+        tune(spark)
     started = time.monotonic()
     result: dict[str, Any] = {"side": args.side, "session": type(spark).__module__}
     if args.probe_option:
