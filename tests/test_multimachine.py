@@ -53,14 +53,30 @@ _drivers: list[Any] = []
 
 
 @pytest.fixture(autouse=True)
-def _no_driver_outlives_its_test() -> Any:
+def _no_driver_outlives_its_test(request: pytest.FixtureRequest) -> Any:
     """A test that fails mid-transfer leaves its applications holding the clusters' task
-    slots: kill them, so the next test starts on idle clusters."""
+    slots: kill them, so the next test starts on idle clusters. Their lane hosts then
+    remove their staging, logs included: keep those logs first."""
     yield
+    if any(proc.poll() is None for proc in _drivers) and "net_clusters" in request.fixturenames:
+        _keep_staging_logs(request.getfixturevalue("net_clusters"), request.node.name)
     while _drivers:
         proc = _drivers.pop()
         with contextlib.suppress(ProcessLookupError):
             _kill_application(proc)
+
+
+def _keep_staging_logs(nc: NetClusters, test: str) -> None:
+    """Copy every machine's transfer logs (lane hosts, registry, sender hosts) to the log dir."""
+    import shutil
+
+    for m in nc.machines:
+        root = m.tmp / "spark-dilation"
+        for path in root.rglob("*.log") if root.exists() else ():
+            target = nc.log_dir / f"{test}-staging" / m.name / path.relative_to(root)
+            target.parent.mkdir(parents=True, exist_ok=True)
+            with contextlib.suppress(OSError):  # a host may remove it meanwhile
+                shutil.copyfile(path, target)
 
 
 def _driver(nc: NetClusters, cluster: Cluster, argv: list[str], log: Path) -> Any:

@@ -63,10 +63,12 @@ def test_connect_writer_to_classic_reader(wormhole_servers: Any, tmp_path: Path)
     )  # fmt: skip
     sender = peer(
         "send", code, wormhole_servers, tmp_path, "--remote", "local[2]", "--rows", ROWS,
-        "--partitions", "4", "--expected", str(tmp_path / "expected"),
+        "--partitions", "4", "--expected", str(tmp_path / "expected"), "--tune",
     )  # fmt: skip
     sent, got = sender.result(), receiver.result()
     assert sent["session"] == "pyspark.sql.connect.session", sent
+    # spark_dilation.tune(spark) through Connect's conf API, before the write.
+    assert sent["tuned"] == {"spark.sql.execution.arrow.maxBytesPerBatch": "2147483647"}, sent
     assert got["session"] == "pyspark.sql.session", got
     _check(sent, got, tmp_path)
     # commit() ran on the Connect server's driver and logged the report there

@@ -178,7 +178,9 @@ def test_spark_writer_into_python_parquet(wormhole_servers: Any, tmp_path: Path)
         "--expected", str(tmp_path / "expected"), "--tune",
     )  # fmt: skip
     got = receive_dataset(code, tmp_path / "out", **_options(wormhole_servers, tmp_path))
-    assert "error" not in sender.result()
+    sent = sender.result()
+    assert "error" not in sent
+    assert sent["tuned"] == {"spark.sql.execution.arrow.maxBytesPerBatch": "2147483647"}, sent
     assert len(got.files) == 3 and got.report.rows == 100_000
     assert_same_rows(tmp_path / "out", tmp_path / "expected")
     # compression=auto (the default) through the sender host: the report says what

@@ -11,7 +11,7 @@ by default), so no batch gets near Arrow's 2 GB limit unless a row is
 200 KB. (Batches of 100,000 rows saved the sender a little more but did
 not shorten the benchmark, so ``maxRecordsPerBatch`` is left alone.)
 
-A data source cannot set this itself: Spark reads them from the session
+A data source cannot set this itself: Spark reads it from the session
 when the write job starts, and a data source's code runs in Python workers
 that have no session. So this is one explicit line, and it only sets what
 the session has not set: a user's own value always wins.
@@ -31,9 +31,9 @@ SETTINGS: dict[str, str] = {"spark.sql.execution.arrow.maxBytesPerBatch": NO_BYT
 def tune(spark: Any) -> dict[str, str]:
     """Set :data:`SETTINGS` on ``spark`` where the session has no value; return what it set.
 
-    Works on classic and Spark Connect sessions; session-wide, like any
-    ``spark.conf.set`` (pandas UDFs and ``mapInArrow`` lose the byte cap
-    too). Calling it again sets nothing.
+    Works on classic and Spark Connect sessions (``tests/test_spark_connect.py``).
+    Session-wide, like any ``spark.conf.set``: pandas UDFs and ``mapInArrow``
+    lose the byte cap too. Calling it again sets nothing.
     """
     changed = {}
     for key, value in SETTINGS.items():
