@@ -28,7 +28,7 @@ applications (one JVM per side):
   (``auto``: none given), the other loads and counts; seconds from the later
   of ``save()``/``load()`` to the end of ``count()``.
 - ``tuned``: ``auto`` with ``spark_dilation.tune(spark)`` in both applications
-  (Spark's Arrow batch settings, :mod:`spark_dilation.spark.tuning`).
+  (Spark's Arrow batch byte cap off, :mod:`spark_dilation.spark.tuning`).
 
 One JSON object per case (the median run with ``--repeat``): ``seconds``,
 ``wire_bytes`` (bytes the sender's link carried towards the relay, from

@@ -11,6 +11,7 @@ from __future__ import annotations
 import contextlib
 import json
 import os
+import shutil
 import signal
 import subprocess
 import sys
@@ -68,8 +69,6 @@ def _no_driver_outlives_its_test(request: pytest.FixtureRequest) -> Any:
 
 def _keep_staging_logs(nc: NetClusters, test: str) -> None:
     """Copy every machine's transfer logs (lane hosts, registry, sender hosts) to the log dir."""
-    import shutil
-
     for m in nc.machines:
         root = m.tmp / "spark-dilation"
         for path in root.rglob("*.log") if root.exists() else ():

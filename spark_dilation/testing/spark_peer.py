@@ -182,15 +182,12 @@ def main(argv: list[str] | None = None) -> int:
         from spark_dilation import register
 
         register(spark)
-    tuned = None
+    result: dict[str, Any] = {"side": args.side, "session": type(spark).__module__}
     if args.tune:
         from spark_dilation import tune
 
-        tuned = tune(spark)
+        result["tuned"] = tune(spark)
     started = time.monotonic()
-    result: dict[str, Any] = {"side": args.side, "session": type(spark).__module__}
-    if tuned is not None:
-        result["tuned"] = tuned
     if args.probe_option:
         key, value = args.probe_option.split("=", 1)
         try:
