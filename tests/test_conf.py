@@ -158,6 +158,7 @@ def test_transfer_connections_give_up_after_the_options_reconnect_timeout(
 ) -> None:
     """Lanes and senders dilate with reconnect_timeout, not Dilation's own default (300 s)."""
     import spark_dilation.dilation.api as dilation_api
+    from spark_dilation.transfer.directory import Door
     from spark_dilation.transfer.rendezvous import Paired, dilate_paired
     from spark_dilation.wormhole.blocking import ensure_reactor
 
@@ -172,7 +173,7 @@ def test_transfer_connections_give_up_after_the_options_reconnect_timeout(
     timeout = TransferOptions().reconnect_timeout
     with pytest.raises(RuntimeError, match="stop here"):
         dilate_paired(
-            Paired(object(), 0),
+            Paired(object(), Door(0, 0, 0, 0)),
             relay_url=None,
             no_listen=True,
             listen=(),

@@ -47,12 +47,16 @@ def host(name: str) -> HostInfo:
 
 def test_registry_rules() -> None:
     reg = LaneRegistry(2)
-    assert reg.claim(0, host("a"), complete=False) == {"do": "receive"}
+    assert reg.claim(0, host("a"), complete=False) == {"do": "receive", "epoch": 0}
+    assert reg.claim(0, host("a"), complete=False) == {"do": "receive", "epoch": 0}  # again
+    assert reg.epochs() == {0: 0}
     following = reg.claim(0, host("b"), complete=False)  # b follows the receiver
     assert following["do"] == "fetch" and following["sources"][0]["host_id"] == "a"
     reg.gone("a")  # the receiver died before the lane was done: a new claim receives
     assert reg.lanes[0].state == NONE
-    assert reg.claim(0, host("b"), complete=False) == {"do": "receive"}
+    # A new host takes the lane over: the next epoch, which the directory publishes.
+    assert reg.claim(0, host("b"), complete=False) == {"do": "receive", "epoch": 1}
+    assert reg.epochs() == {0: 1}
     assert reg.lanes[0].state == RECEIVING
     reg.done(0, host("b"))
     answer = reg.claim(0, host("c"), complete=False)
@@ -94,7 +98,7 @@ def test_registry_hosts_a_lane_nobody_claims_and_again_when_its_receiver_goes() 
     assert [reg.lanes[lane].state for lane in (1, 2)] == [NONE, NONE]
     later = 20.0 + RECEIVER_GONE_WAIT
     assert reg.unclaimed(now=later - 1, grace=5.0) == []  # a rerun task may claim it first
-    assert reg.claim(2, host("b"), complete=False, now=later - 0.5) == {"do": "receive"}
+    assert reg.claim(2, host("b"), complete=False, now=later - 0.5) == {"do": "receive", "epoch": 1}
     assert reg.unclaimed(now=later, grace=5.0) == [1]
     reg.gone("a", now=later)  # lane 0's receiver (a read task's machine) is lost
     assert reg.unclaimed(now=later + RECEIVER_GONE_WAIT, grace=5.0) == [0, 1]
@@ -122,7 +126,7 @@ def test_registry_fails_a_lane_it_cannot_host() -> None:
     reg2 = LaneRegistry(2)
     reg2.claim(0, host("a"), complete=False, now=0.0)
     reg2.hosting(1, now=5.0)
-    assert reg2.claim(1, host("b"), complete=False, now=6.0) == {"do": "receive"}
+    assert reg2.claim(1, host("b"), complete=False, now=6.0) == {"do": "receive", "epoch": 0}
     for _ in range(3):
         reg2.hosting_failed(1, "x", now=7.0)
     assert reg2.lanes[1].state == RECEIVING

@@ -28,6 +28,7 @@ from spark_dilation.transfer.hostlink import (
     socket_path,
     start_sender_host,
 )
+from spark_dilation.transfer.hub import SenderHub
 from spark_dilation.transfer.partition import PartitionStream
 from spark_dilation.transfer.session import SenderSession
 
@@ -65,7 +66,21 @@ def agree(schema: pa.Schema, opts: dict[str, Any]) -> tuple[Any, threading.Threa
 
     receiver = threading.Thread(target=receive, daemon=True)
     receiver.start()
-    return session.wait(), receiver, received
+    # This process is the writing end, as the driver machine's host is for a Spark
+    # writer: the hosts and tasks the test starts get their sender ids here.
+    hub = SenderHub(session.wait(), serve=True)
+    _hubs.append(hub)
+    return hub.spec_with_hub(), receiver, received
+
+
+_hubs: list[Any] = []
+
+
+@pytest.fixture(autouse=True)
+def _close_hubs() -> Any:
+    yield
+    while _hubs:
+        _hubs.pop().close()
 
 
 @pytest.fixture

@@ -139,11 +139,16 @@ def test_lane_that_never_starts(opts: dict[str, Any]) -> None:
     t.start()
     receive_session(session.code, o.with_(lanes=2))
     t.join(30)
+    from spark_dilation.transfer.hub import SenderHub
     from spark_dilation.transfer.sender import send_partition
 
+    hub = SenderHub(result["spec"])  # the writing end: no lane epoch ever comes
     started = time.monotonic()
-    with pytest.raises(LaneNotStartedError, match=r"lane 1 of 2 did not start within 3 s"):
-        send_partition(result["spec"], 1, 0, iter(mixed(10).to_batches()))
+    try:
+        with pytest.raises(LaneNotStartedError, match=r"lane 1 of 2 did not start within 3 s"):
+            send_partition(result["spec"], 1, 0, iter(mixed(10).to_batches()))
+    finally:
+        hub.close()
     assert time.monotonic() - started < 20
 
 

@@ -2,8 +2,7 @@
 
 from __future__ import annotations
 
-import itertools
-import random
+import json
 
 import pyarrow as pa
 import pyarrow.ipc as ipc
@@ -26,26 +25,10 @@ from spark_dilation.transfer.protocol import (
     decode_message,
     decode_session_message,
     lane_of,
-    peer_incarnation,
-    peer_role,
-    rendezvous_versions,
-    same_incarnation,
     schema_fingerprint,
-    slot_code,
     split_batch,
 )
-from spark_dilation.transfer.rendezvous import (
-    ALONE,
-    CROWDED,
-    HALF_DEAD,
-    PAIRED,
-    SAME_INCARNATION,
-    SAME_ROLE,
-    SlotPolicy,
-)
 from spark_dilation.transfer.report import ConnectionStats, merge_stats
-from spark_dilation.transfer.sender import PROBE_GAP_MAX, REPLACE_AFTER, ReplacementClock
-from spark_dilation.wormhole.codes import validate_code
 
 SECRET = bytes(range(32))
 
@@ -61,30 +44,6 @@ def table(rows: int = 1000) -> pa.Table:
 
 
 # --- derivations -------------------------------------------------------------------------
-
-
-def test_slot_codes_are_valid_distinct_and_deterministic() -> None:
-    codes = {slot_code(SECRET, lane, slot) for lane in range(4) for slot in range(50)}
-    assert len(codes) == 200
-    for code in codes:
-        nameplate = validate_code(code)
-        assert nameplate.isdigit() and len(nameplate) <= 40
-    assert slot_code(SECRET, 1, 2) == slot_code(SECRET, 1, 2)
-    assert slot_code(SECRET, 1, 2) != slot_code(bytes(32), 1, 2)
-    with pytest.raises(ValueError):
-        slot_code(SECRET, -1, 0)
-
-
-def test_peer_role_checks_transfer_and_lane() -> None:
-    v = rendezvous_versions("t1", "lane", 3)
-    assert peer_role(v, "t1", 3) == "lane"
-    assert peer_role(v, "t2", 3) is None
-    assert peer_role(v, "t1", 2) is None
-    assert peer_role({}, "t1", 3) is None
-    assert (
-        peer_role({"spark-dilation/dataset": {"transfer": "t1", "lane": 3, "role": "x"}}, "t1", 3)
-        is None
-    )
 
 
 def test_lane_of() -> None:
@@ -103,6 +62,17 @@ def test_offer_and_accept_round_trip() -> None:
     assert kind == "accept" and accept.lanes == 4
     assert decode_session_message(b'{"error": "no"}') == ("error", "no")
     assert decode_session_message(b'{"offer": {}}')[0] == "other"
+
+
+def test_a_peer_whose_workers_probe_shared_slots_is_refused_in_one_line() -> None:
+    """Rendezvous 1 (slots) and 2 (introduction) cannot meet: both sides say so."""
+    offer = json.loads(Offer("abc", table().schema).encode())
+    assert offer["dataset-offer"]["rendezvous"] == 2
+    del offer["dataset-offer"]["rendezvous"]  # an older sender
+    with pytest.raises(ProtocolError, match=r"the sender runs an older spark-dilation .* 1, we"):
+        decode_session_message(json.dumps(offer).encode())
+    with pytest.raises(ProtocolError, match=r"the receiver runs an older spark-dilation"):
+        decode_session_message(b'{"dataset-accept": {"lanes": 2}}')
 
 
 @pytest.mark.parametrize(
@@ -274,46 +244,6 @@ def test_manifest_json_round_trip() -> None:
         Manifest.from_body({"transfer": "T", "partitions": [{"partition": 1}]})
 
 
-# --- rendezvous policy ----------------------------------------------------------------------
-
-
-def test_sender_policy() -> None:
-    p = SlotPolicy("sender", random.Random(1))
-    assert p.first().slot == 0
-    assert p.after(0, CROWDED).slot == 1
-    step = p.after(1, ALONE)
-    assert step.slot == 0 and step.delay > 0 and step.release
-    step = p.after(0, SAME_ROLE)
-    assert step.slot == 0 and step.release and step.delay > 0
-    step = p.after(2, HALF_DEAD)
-    assert step.slot == 3 and not step.release  # burn: keep the dead slot crowded
-    assert p.after(3, PAIRED).action == "done"
-
-
-def test_lane_policy_retries_crowded_then_moves_on() -> None:
-    p = SlotPolicy("lane", random.Random(1))
-    delays = []
-    slot = 0
-    for _ in range(3):
-        step = p.after(slot, CROWDED)
-        assert step.slot == 0
-        delays.append(step.delay)
-    assert delays == sorted(delays)
-    assert p.after(0, CROWDED).slot == 1
-    step = p.after(1, SAME_ROLE)
-    assert step.slot == 2 and not step.release
-    assert p.after(2, HALF_DEAD).slot == 3
-    assert p.after(3, PAIRED).slot == 4
-    with pytest.raises(ValueError):
-        SlotPolicy("boss")
-
-
-def test_sender_poll_backoff_is_capped() -> None:
-    p = SlotPolicy("sender", random.Random(2))
-    delays = [p.after(0, ALONE).delay for _ in range(50)]
-    assert max(delays) <= 2.0 and delays[-1] > delays[0]
-
-
 # --- options and report --------------------------------------------------------------------
 
 
@@ -352,37 +282,6 @@ def test_merge_stats_keeps_the_latest_per_process() -> None:
     # A process's last snapshot after its connections closed still has the path seen before.
     closed = [*stats[:1], ConnectionStats("a:1", 1, 0, ("unknown",))]
     assert merge_stats(closed) == (1, 0, "direct")
-
-
-def test_a_probe_tells_the_same_lane_incarnation_from_a_replacement() -> None:
-    lane = rendezvous_versions("t1", "lane", 0, incarnation="aaa")
-    probe_same = rendezvous_versions("t1", "sender", 0, probe="aaa")
-    probe_other = rendezvous_versions("t1", "sender", 0, probe="old")
-    plain = rendezvous_versions("t1", "sender", 0)
-    assert peer_incarnation(lane) == "aaa" and peer_incarnation(plain) == ""
-    # Both sides decide the same from the two versions.
-    assert same_incarnation(probe_same, lane) and same_incarnation(lane, probe_same)
-    assert not same_incarnation(probe_other, lane) and not same_incarnation(lane, probe_other)
-    assert not same_incarnation(plain, lane)  # an ordinary sender pairs
-    assert not same_incarnation(probe_same, {})
-    # The sender stops probing (the lane lives); the lane burns the slot and moves on.
-    step = SlotPolicy("sender").after(4, SAME_INCARNATION)
-    assert step.action == "alive" and not step.release
-    step = SlotPolicy("lane").after(4, SAME_INCARNATION)
-    assert step.action == "probe" and step.slot == 5 and not step.release
-
-
-def test_replacement_probes_start_after_a_while_down_then_back_off() -> None:
-    clock = ReplacementClock()
-    key = ("t1", 0)
-    assert not clock.observe(key, True, 100.0)  # just went down
-    assert not clock.observe(key, True, 100.0 + REPLACE_AFTER - 0.1)
-    due = [t for t in range(100, 400) if clock.observe(key, True, float(t))]
-    gaps = [b - a for a, b in itertools.pairwise(due)]
-    assert due[0] == 100 + REPLACE_AFTER and gaps == sorted(gaps) and max(gaps) <= PROBE_GAP_MAX + 1
-    assert not clock.observe(key, False, 500.0)  # back up: forgotten
-    assert not clock.observe(key, True, 501.0)
-    assert clock.observe(key, True, 501.0 + REPLACE_AFTER)
 
 
 def test_abort_either_way_names_its_side_and_reads_an_older_peer() -> None:

@@ -354,7 +354,25 @@ def test_crowded_claim_gives_crowded_error(server):
     (closed,) = c.got(core.Closed)
     assert isinstance(closed.error, CrowdedError)
     assert "new code" in str(closed.error) and "8" in str(closed.error)
-    assert not [m for s, m in server.log if s == c.core.side and m["type"] == "release"]
+    # The server recorded c's side before refusing it: c gives it back, and has
+    # no mailbox to close (tests/test_mailbox_harness.py shows it on the real server).
+    sent = [m["type"] for s, m in server.log if s == c.core.side]
+    assert sent == ["bind", "claim", "release"]
+
+
+def test_crowded_claim_is_released_even_with_keep_nameplate(server):
+    for _ in range(2):
+        p = Peer(server)
+        p.connect()
+        p.feed(p.core.set_code("8-aa-bb"))
+    c = Peer(server, keep_nameplate=True)
+    c.connect()
+    c.feed(c.core.set_code("8-aa-bb"))
+    run(c)
+    assert isinstance(c.got(core.Closed)[0].error, CrowdedError)
+    assert [
+        m["nameplate"] for s, m in server.log if s == c.core.side and m["type"] == "release"
+    ] == ["8"]
 
 
 def test_server_error_closes_errory():

@@ -40,9 +40,11 @@ import pyarrow.parquet as pq
 from ..dilation.manager import DilationNoPath
 from ..errors import Interrupted, TransferCancelledError, TransferError, interrupt_cause
 from . import codec
+from .hub import SenderHub
 from .lane import LaneReceiver, lane_receiver
 from .options import TransferOptions
 from .protocol import Abort, CommittedPartition, Manifest
+from .rendezvous import ReadingEnd, forget, sender_set
 from .report import Progress, TransferReport, combine_paths
 from .sender import ConnectionPool, LaneLostError, deliver_abort, deliver_manifest, send_partition
 from .session import ReceivedFileResult, SenderSession, receive_session
@@ -288,6 +290,16 @@ class DatasetSender:
                     f"the send with code {self.code} was cancelled before a receiver used it"
                 ) from e
             raise
+        # The writing end of the transfer's directory: this process is sender 0.
+        hub = SenderHub(spec)
+        try:
+            return self._send(spec, on_progress, interval)
+        finally:
+            hub.close()
+
+    def _send(
+        self, spec: TransferSpec, on_progress: ProgressCallback | None, interval: float
+    ) -> TransferReport:
         started = time.monotonic()
         parts = _partitions(self._source, spec.lanes)
         parts.makers = self._unless_cancelled(parts.makers)
@@ -881,6 +893,9 @@ def receive_agreed(
     started = time.monotonic() if started is None else started
     delivery = _Delivery()
     receivers = _start_lanes(spec, delivery)  # the transfer's staging is ours from here
+    # The reading end of the transfer's directory: every lane here, epoch 0.
+    reading = ReadingEnd(spec, sender_set(spec.transfer_id).add)
+    reading.publish(dict.fromkeys(range(spec.lanes), 0))
     try:
         try:
             _wait_staged(receivers, on_progress, interval)
@@ -914,9 +929,11 @@ def receive_agreed(
         for r in receivers:
             if r.staged:  # let its answer go out before its connections close
                 r.wait_finished(timeout=ANSWER_WAIT)
-            # Idempotent; records paths and reconnects, and waits for the lobby to
-            # close its wormhole (a process exiting next would cut that close short).
+            # Idempotent; records paths and reconnects, and waits for its doors to
+            # close their wormholes (a process exiting next would cut that close short).
             r.stop(linger=0)
+        reading.close()
+        forget(spec.transfer_id)
         shutil.rmtree(opts.staging_root / spec.transfer_id, ignore_errors=True)
     return ReceivedDataset(
         TransferReport(

@@ -3,21 +3,21 @@
 A *lane* is one reader partition. Its receiver runs in the background of the
 process that first reads the lane (a Spark Python worker, or the Python
 API's process) and outlives the read task, so a ``show()`` that stops
-reading early does not stop the transfer. It keeps one rendezvous lobby open,
-accepts partition streams on every Dilation connection a sender process
-makes, writes each stream to ``<staging>/<transfer>/lane-<n>/`` as an Arrow
-IPC stream file while it arrives (memory holds only the Dilation buffers),
-renames it into place when the trailer checks out, and only then answers
-"complete". When the manifest has arrived and every partition it lists for
-the lane is staged, the lane writes ``manifest.json`` there: later actions
-(``count()`` after ``show()``) read the staged files and never wait for a
-sender again.
+reading early does not stop the transfer. It opens a door for every sending
+process the directory names (:mod:`.directory`), accepts partition streams
+on every Dilation connection a sender process makes, writes each stream to
+``<staging>/<transfer>/lane-<n>/`` as an Arrow IPC stream file while it
+arrives (memory holds only the Dilation buffers), renames it into place when
+the trailer checks out, and only then answers "complete". When the manifest
+has arrived and every partition it lists for the lane is staged, the lane
+writes ``manifest.json`` there: later actions (``count()`` after ``show()``)
+read the staged files and never wait for a sender again.
 
 One receiver per lane and machine: an ``flock`` on ``lane-<n>/.lock`` elects
 it; another process reading the same lane meanwhile follows the staged
 files. Lane states (``docs/transfer.md`` has the diagram)::
 
-    STARTING -> RECEIVING (lobby open) -> DONE (manifest + every partition staged)
+    STARTING -> RECEIVING (doors open) -> DONE (manifest + every partition staged)
     RECEIVING -> ABORTED (the sender's abort, or the receiving side ended it:
     :meth:`LaneReceiver.end_transfer` tells the senders) | FAILED (a partition
     lost with an earlier incarnation: cannot heal)
@@ -50,6 +50,7 @@ import pyarrow.ipc as ipc
 from ..dilation.blocking import DilationClosed, DilationTimeout, SubchannelClosed
 from ..dilation.manager import DilationNoPath
 from ..errors import DilationError, TransferError
+from .directory import Door, LaneDoors
 from .pqformat import FORMAT as PARQUET
 from .pqformat import ChunkDecoder
 from .protocol import (
@@ -75,7 +76,7 @@ from .protocol import (
     encode_json,
     failure_answer,
 )
-from .rendezvous import RendezvousCancelled, dilate_paired, pair
+from .rendezvous import Paired, RendezvousCancelled, dilate_paired, meet, sender_set
 from .report import is_connecting, is_reconnecting, path_of, reconnects_of
 from .spec import TransferSpec
 from .staging import (
@@ -91,10 +92,10 @@ from .staging import (
 
 log = logging.getLogger(__name__)
 
-# stop() waits this long for the lobby to end its pending pairing (it notices
-# the stop within 0.25 s and then waits for the mailbox's close, at most
-# rendezvous.CLOSE_WAIT).
-LOBBY_STOP_WAIT = 10.0
+# stop() waits this long for the doors to end their pending meetings (each
+# notices the stop within 0.25 s and then waits for the mailbox's close, at
+# most rendezvous.CLOSE_WAIT; they close in parallel).
+DOOR_STOP_WAIT = 10.0
 
 
 class DeliveryError(TransferError):
@@ -111,6 +112,7 @@ class LaneReceiver:
         staging: LaneStaging,
         lock_fd: int,
         before_ok: Callable[[], str | None] | None = None,
+        epoch: int = 0,
     ) -> None:
         self.spec = spec
         self.lane = lane
@@ -120,11 +122,12 @@ class LaneReceiver:
         self._lock_fd = lock_fd
         self._cond = threading.Condition()
         self._stop = threading.Event()
-        self._lobby_thread: threading.Thread | None = None
         self._stop_lock = threading.Lock()
-        self._lobby_thread = threading.Thread(
-            target=self._lobby, name=f"lane-{lane}-lobby", daemon=True
-        )
+        # Meeting by introduction: one door per sender the directory named.
+        self.epoch = epoch
+        self._doors = LaneDoors(lane, epoch)
+        self._door_threads: list[threading.Thread] = []
+        self._senders = sender_set(spec.transfer_id)
         self._connections: list[Any] = []
         self.error: BaseException | None = None
         self.finished = False
@@ -153,10 +156,13 @@ class LaneReceiver:
     # --- lifecycle ---------------------------------------------------------------
 
     def start(self) -> None:
-        self._lobby_thread.start()
+        log.info(
+            "lane %d (epoch %d): receiving; a door for each sender named", self.lane, self.epoch
+        )
+        self._senders.subscribe(self._learn)
 
     def stop(self, linger: float = 2.0) -> None:
-        """Close the lobby and every connection (idempotent; waits for a stop under way)."""
+        """Close the doors and every connection (idempotent; waits for a stop under way)."""
         with self._stop_lock:
             self._stop.set()
             with self._cond:
@@ -170,11 +176,15 @@ class LaneReceiver:
                     self.reconnects += reconnects_of(status)
                 with contextlib.suppress(Exception):
                     conn.close(timeout=10, linger=linger)
-            lobby = self._lobby_thread
-            if lobby.is_alive() and lobby is not threading.current_thread():
-                # Its pending pairing closes its wormhole on the mailbox: wait, so
-                # that a process exiting right after does not cut that close short.
-                lobby.join(LOBBY_STOP_WAIT)
+            self._senders.unsubscribe(self._learn)
+            with self._cond:
+                doors = list(self._door_threads)
+            end = time.monotonic() + DOOR_STOP_WAIT
+            for door in doors:
+                if door.is_alive() and door is not threading.current_thread():
+                    # Its pending meeting closes its wormhole on the mailbox: wait, so
+                    # that a process exiting right after does not cut that close short.
+                    door.join(max(0.0, end - time.monotonic()))
             if self._lock_fd >= 0:
                 with contextlib.suppress(OSError):
                     os.close(self._lock_fd)
@@ -286,27 +296,36 @@ class LaneReceiver:
             self._cond.notify_all()
         threading.Thread(target=self.stop, daemon=True).start()
 
-    # --- lobby and connections -----------------------------------------------------
+    # --- doors and connections -----------------------------------------------------
 
-    def _lobby(self) -> None:
-        opts = self.spec.options
-        slot = 0
-        while not self._stop.is_set():
-            try:
-                paired = pair(
-                    mailbox_url=opts.mailbox_url,
-                    secret=self.spec.secret,
-                    transfer_id=self.spec.transfer_id,
-                    lane=self.lane,
-                    role=ROLE_LANE,
-                    start_slot=slot,
-                    cancel=self._stop,
-                    what=f"senders of lane {self.lane}",
-                    incarnation=self.incarnation,
+    def _learn(self, senders: set[int]) -> None:
+        """The directory named new senders: open a door for each (see :mod:`.directory`)."""
+        with self._cond:
+            if self._stop.is_set():
+                return
+            doors = self._doors.learn(senders)
+            threads = [
+                threading.Thread(
+                    target=self._door, args=(door,), name=f"lane-{self.lane}-door", daemon=True
                 )
-                slot = paired.slot + 1
+                for door in doors
+            ]
+            self._door_threads.extend(threads)
+        for thread in threads:
+            thread.start()
+
+    def _door(self, door: Door | None) -> None:
+        """Wait at ``door`` for its sender; after each pairing, at the sender's next door."""
+        opts = self.spec.options
+        while door is not None and not self._stop.is_set():
+            what = f"sender {door.sender} of lane {self.lane}"
+            try:
+                w = meet(
+                    self.spec, door.code(self.spec.secret), ROLE_LANE, door,
+                    cancelled=self._stop.is_set, what=what,
+                )  # fmt: skip
                 conn = dilate_paired(
-                    paired,
+                    Paired(w, door),
                     relay_url=opts.relay_url,
                     no_listen=opts.no_listen,
                     listen=(PARTITION_SUBPROTOCOL, CONTROL_SUBPROTOCOL),
@@ -316,8 +335,11 @@ class LaneReceiver:
                 )
             except (RendezvousCancelled, crochet.ReactorStopped):
                 return  # stopped, or the process is exiting (a CLI after its transfer)
+            except ProtocolError as e:  # not the peer the directory sent: leave this door
+                log.warning("lane %d: %s", self.lane, e)
+                return
             except DilationError as e:  # mailbox unreachable and the like
-                log.warning("lane %d: rendezvous failed: %s", self.lane, e)
+                log.warning("lane %d: meeting %s failed: %s", self.lane, what, e)
                 self._finish(e)
                 return
             with self._cond:
@@ -326,9 +348,11 @@ class LaneReceiver:
                     self._connections.append(conn)
                     self.connections_made += 1
                     self.last_activity = time.monotonic()
+                    door = self._doors.paired(door)
             if stopped:
                 conn.close(timeout=10, linger=0)  # stop() waits for this thread
                 return
+            log.info("lane %d (epoch %d): %s connected", self.lane, self.epoch, what)
             for name, handler in (
                 (PARTITION_SUBPROTOCOL, self._partition),
                 (CONTROL_SUBPROTOCOL, self._control),

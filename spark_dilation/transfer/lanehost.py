@@ -10,9 +10,9 @@ its lane there and does what the registry says (:mod:`.registry`): receive
 it from the sender, copy it from a machine that holds it, or report the
 lane's error. Then it serves its complete copy to the other executors and
 lives as long as the reading application: when the registry's link ends,
-it removes the lane's staging and exits. Without a registry (the Python
-API), it exits once the lane is done (``manifest.json``), failed
-(``error.json``) or heard nothing for ``idle_timeout`` seconds.
+it removes the lane's staging and exits. The registry's process is also the
+reading end of the transfer's directory, so a host is never started without
+one (the Python API receives its lanes in-process).
 """
 
 from __future__ import annotations
@@ -26,7 +26,7 @@ import time
 from typing import Any
 
 from ..errors import TransferError
-from .lane import LaneReceiver, lane_receiver
+from .lane import LaneReceiver
 from .lifetime import read_private
 from .protocol import Abort
 from .spec import TransferSpec
@@ -54,18 +54,14 @@ def main(argv: list[str] | None = None) -> int:
     )
     logging.getLogger("twisted").setLevel(logging.WARNING)
     staging = LaneStaging(spec.options.staging_root, spec.transfer_id, lane)
-    if spec.registry is not None:
-        return RegisteredLane(spec, lane, staging, launcher).run()
-    receiver = lane_receiver(spec, lane)
-    if receiver is None:
-        return 0  # another host holds the lane
-    (staging.dir / "host.pid").write_text(str(os.getpid()))
-    error = receiver.wait_finished()
-    if error is not None:
-        write_host_error(staging, error)
-    receiver.stop(linger=2.0)
-    logging.info("lane %d host done: %s", lane, receiver.error or "complete")
-    return 0
+    if spec.registry is None:
+        # Senders meet a lane through the reading end of the directory, which the
+        # registry's process holds: without one, no sender could ever reach it.
+        write_host_error(
+            staging, TransferError("a lane host needs the reading application's lane registry")
+        )
+        return 1
+    return RegisteredLane(spec, lane, staging, launcher).run()
 
 
 class RegisteredLane:
@@ -141,7 +137,8 @@ class RegisteredLane:
             if action == "error":
                 return rebuild_error(answer["error"])
             if action == "receive":
-                receiver = LaneReceiver(self.spec, self.lane, self.staging, fd)
+                epoch = int(answer.get("epoch", 0))
+                receiver = LaneReceiver(self.spec, self.lane, self.staging, fd, epoch=epoch)
                 self.receiver = receiver
                 receiver.start()
                 error = receiver.wait_finished()

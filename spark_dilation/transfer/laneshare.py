@@ -81,6 +81,9 @@ class RegistryLink:
             ) from e
         self._answers: queue.Queue[dict[str, Any]] = queue.Queue()
         self._on_lost = on_lost
+        from .rendezvous import sender_set
+
+        self.senders = sender_set(spec.transfer_id)
         self.lost = threading.Event()
         threading.Thread(target=self._read, daemon=True).start()
         keep_alive(self.link, PING, self.lost)
@@ -102,9 +105,11 @@ class RegistryLink:
         try:
             while True:
                 message = self.link.recv_json(SILENCE)
-                if "ping" not in message:
+                if "senders" in message:  # the directory's introductions, for the doors
+                    self.senders.add([int(s) for s in message["senders"]])
+                elif "ping" not in message:
                     self._answers.put(message)
-        except (LinkError, ValueError) as e:
+        except (LinkError, ValueError, TypeError) as e:
             self.lost.set()
             self._on_lost(str(e))
 

@@ -80,11 +80,12 @@ class TransferOptions:
       ``local-cluster``); ``true``/``false`` force it. Lanes stage on the
       machine that ran ``load()``, so ``true`` on a multi-machine cluster
       needs a ``staging_dir`` every executor can read.
-    * ``sender_host``: Spark writer only: the Spark tasks (and the commit) on
-      the machine that ran ``save()`` hand their partitions to one sender
-      process there, which holds the Dilation connections to the lanes;
-      ``false``: every Python worker pairs and keeps connections of its own
-      (as tasks on other machines always do).
+    * ``sender_host``: Spark writer only: the Spark tasks of each sending
+      machine hand their partitions to one sender process there, which holds
+      the Dilation connections to the lanes; ``false``: every Python worker
+      keeps connections of its own. Either way the driver machine's sender
+      process runs the session, the directory (``transfer/hub.py``) and the
+      commit.
     """
 
     mailbox: str | None = None

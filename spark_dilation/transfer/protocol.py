@@ -12,8 +12,8 @@ Wire summary (every JSON object is UTF-8, keys as shown):
   sender ``{"dataset-offer": {...}}``, receiver ``{"dataset-accept": {...}}``
   or ``{"error": "..."}``.
 * Transfer secret: ``derive_key("spark-dilation/transfer-secret/v1", 32)``.
-* Rendezvous slots: nameplate and password derived from the secret, the lane
-  and the slot number (:func:`slot_code`).
+* Rendezvous by introduction: the directory link and doors, nameplates and
+  passwords derived from the secret (:mod:`.directory`).
 * Partition subchannel ``spark-dilation/partition/v1``: ``H`` header, ``D``
   Arrow IPC stream bytes (at most about 1 MiB of rows each), ``T`` trailer;
   answered by ``C`` complete or ``E`` error.
@@ -45,6 +45,9 @@ from .pqformat import ChunkEncoder
 
 PROTOCOL = "spark-dilation/dataset"
 VERSION = 1
+# How worker processes meet, named in the offer and the answer: 2 is meeting by
+# introduction (transfer/directory.py); 1 (probing shared slots) is refused.
+RENDEZVOUS = 2
 # app_versions entry of the session wormhole: names our protocol and version.
 SESSION_APP_VERSIONS = {PROTOCOL: {"version": VERSION}}
 # Which end of the session a side is ("role" in its app_versions entry): two
@@ -65,9 +68,10 @@ def session_role(versions: dict[str, Any]) -> str | None:
     return entry.get("role") if isinstance(entry, dict) else None
 
 
-# The rendezvous wormholes live in their own appid, so their nameplates
-# never collide with codes people type.
-RENDEZVOUS_APPID = "spark-dilation.org/dataset-rendezvous/v1"
+# The rendezvous wormholes (doors and the directory link, transfer/directory.py)
+# live in their own appid, so their nameplates never collide with codes people
+# type. v2: meeting by introduction (v1 walked shared slots).
+RENDEZVOUS_APPID = "spark-dilation.org/dataset-rendezvous/v2"
 PARTITION_SUBPROTOCOL = "spark-dilation/partition/v1"
 CONTROL_SUBPROTOCOL = "spark-dilation/control/v1"
 SECRET_PURPOSE = "spark-dilation/transfer-secret/v1"
@@ -94,82 +98,6 @@ class SchemaMismatchError(TransferError):
 def transfer_secret(derive: Any) -> bytes:
     """The 32-byte transfer secret, from a confirmed wormhole's ``derive_key``."""
     return derive(SECRET_PURPOSE, 32)
-
-
-def slot_code(secret: bytes, lane: int, slot: int) -> str:
-    """The rendezvous code ``NAMEPLATE-PASSWORD`` of one lane's slot.
-
-    Anyone holding the transfer secret computes the same code; nobody else
-    can guess the password (128 bits), and the nameplate (digits only, as the
-    mailbox server requires) reveals nothing about the secret.
-    """
-    # Imported here: Spark task workers load this module to encode partitions
-    # and must not pay for SPAKE2, PyNaCl and HKDF (~0.05 CPU-s) they never use.
-    from ..wormhole.keys import derive_key
-
-    if lane < 0 or slot < 0:
-        raise ValueError("lane and slot are non-negative")
-    info = f"rendezvous lane {lane} slot {slot}".encode()
-    number = int.from_bytes(derive_key(secret, info + b" nameplate", 16), "big")
-    nameplate = str(number % 10**NAMEPLATE_DIGITS).rjust(NAMEPLATE_DIGITS, "1")
-    password = derive_key(secret, info + b" password", 16).hex()
-    return f"{nameplate}-{password}"
-
-
-def rendezvous_versions(
-    transfer_id: str, role: str, lane: int, *, incarnation: str = "", probe: str = ""
-) -> dict[str, Any]:
-    """``app_versions`` of a rendezvous wormhole: who we are, so a pairing can be checked.
-
-    A lane names its ``incarnation``. A sender whose connection to the lane
-    incarnation ``probe`` is down looks for a replacement with ``probe`` set
-    (see :func:`same_incarnation`).
-    """
-    entry: dict[str, Any] = {"version": VERSION, "transfer": transfer_id, "role": role}
-    entry["lane"] = lane
-    if incarnation:
-        entry["incarnation"] = incarnation
-    if probe:
-        entry["probe"] = probe
-    return {PROTOCOL: entry}
-
-
-def peer_role(app_versions: dict[str, Any], transfer_id: str, lane: int) -> str | None:
-    """The peer's role if it is a rendezvous peer of this transfer and lane, else None."""
-    entry = _rendezvous_entry(app_versions)
-    if entry is None:
-        return None
-    if entry.get("transfer") != transfer_id or entry.get("lane") != lane:
-        return None
-    role = entry.get("role")
-    return role if role in (ROLE_SENDER, ROLE_LANE) else None
-
-
-def peer_incarnation(app_versions: dict[str, Any]) -> str:
-    """The lane incarnation a rendezvous peer names ("" if none)."""
-    entry = _rendezvous_entry(app_versions)
-    return str(entry.get("incarnation", "")) if entry else ""
-
-
-def same_incarnation(ours: dict[str, Any], theirs: dict[str, Any]) -> bool:
-    """A sender's probe met the very lane incarnation it is still connected to.
-
-    Both sides decide the same from the two ``app_versions``: the lane is
-    alive and its connection only down, so neither keeps the pairing (the
-    sender waits for the reconnect; the lane burns the slot). A probe that
-    meets another incarnation pairs: the old one was replaced.
-    """
-    a, b = _rendezvous_entry(ours), _rendezvous_entry(theirs)
-    if a is None or b is None:
-        return False
-    lane, sender = (a, b) if a.get("role") == ROLE_LANE else (b, a)
-    probe = sender.get("probe")
-    return bool(probe) and probe == lane.get("incarnation")
-
-
-def _rendezvous_entry(app_versions: Any) -> dict[str, Any] | None:
-    entry = app_versions.get(PROTOCOL) if isinstance(app_versions, dict) else None
-    return entry if isinstance(entry, dict) else None
 
 
 def lane_of(partition: int, lanes: int) -> int:
@@ -218,6 +146,7 @@ class Offer:
             "schema": base64.b64encode(schema_bytes(self.schema)).decode(),
             "compression": offer_compression(self.compression),
             "source": self.source,
+            "rendezvous": RENDEZVOUS,
         }
         if self.compression == AUTO:
             # Optional: receivers that know it report "auto"; older ones see
@@ -241,6 +170,7 @@ class Offer:
                     f"the sender speaks dataset protocol version {body['version']}, we speak "
                     f"{VERSION}: install the same spark-dilation version on both sides"
                 )
+            _check_rendezvous(body, "sender")
             compression = str(body.get("compression", "none"))
             if compression not in COMPRESSIONS:
                 raise ProtocolError(f"the sender asked for unknown compression {compression!r}")
@@ -260,6 +190,15 @@ class Offer:
             raise ProtocolError(f"the sender's dataset offer is malformed: {e}") from e
 
 
+def _check_rendezvous(body: dict[str, Any], who: str) -> None:
+    if body.get("rendezvous") != RENDEZVOUS:
+        raise ProtocolError(
+            f"the {who} runs an older spark-dilation whose workers meet by probing shared "
+            f"slots (rendezvous {body.get('rendezvous', 1)}, we speak {RENDEZVOUS}): install "
+            "the same spark-dilation version on both sides"
+        )
+
+
 def _optional_count(value: Any) -> int | None:
     """An optional non-negative total of the offer; anything else is unknown (None)."""
     if isinstance(value, int) and not isinstance(value, bool) and value >= 0:
@@ -277,7 +216,7 @@ class Accept:
     formats: tuple[str, ...] = ()
 
     def encode(self) -> bytes:
-        body: dict[str, Any] = {"lanes": self.lanes}
+        body: dict[str, Any] = {"lanes": self.lanes, "rendezvous": RENDEZVOUS}
         if self.formats:
             body["formats"] = list(self.formats)
         return json.dumps({"dataset-accept": body}).encode()
@@ -290,6 +229,7 @@ class Accept:
             raise ProtocolError(f"the receiver's answer is malformed: {e}") from e
         if lanes < 1:
             raise ProtocolError(f"the receiver asked for {lanes} lanes")
+        _check_rendezvous(body, "receiver")
         formats = body.get("formats")
         known = tuple(f for f in formats if isinstance(f, str)) if isinstance(formats, list) else ()
         return cls(lanes, known)

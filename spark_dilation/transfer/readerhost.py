@@ -15,11 +15,19 @@ Frames (:mod:`.boxlink`, JSON)::
 
     lane host -> registry: {"claim": L, "host": HostInfo, "complete": bool}   answer {"do": ...}
                            {"done": L} | {"failed": L, "error": record} | {"ping": 1}
-    registry -> lane host: {"do": ...} (answers, in order) | {"ping": 1}
+    registry -> lane host: {"do": ...} (answers, in order; "receive" names the lane's
+                           epoch) | {"senders": [ids]} | {"ping": 1}
+
+It is also the reading end of the transfer's directory
+(:class:`~.rendezvous.ReadingEnd`): it publishes each lane's epoch (which
+rises each time a new host receives the lane) to the writing end, and passes
+every sender id the writing end issues on to the lane hosts, which open a
+door for each (:mod:`.directory`).
 """
 
 from __future__ import annotations
 
+import contextlib
 import json
 import logging
 import os
@@ -74,6 +82,7 @@ class ReaderHost:
         self.server = listen()
         self.received: dict[int, dict[str, Any]] = {}
         self.reported = False
+        self.reading: Any = None  # the directory's reading end, from run()
 
     def run(self, ready_path: Path) -> int:
         port = self.server.getsockname()[1]
@@ -82,6 +91,9 @@ class ReaderHost:
         tmp.write_text(json.dumps(ready))
         os.replace(tmp, ready_path)
         log.info("lane registry of %s on %s", self.spec.transfer_id, ready)
+        from .rendezvous import ReadingEnd
+
+        self.reading = ReadingEnd(self.spec, self._introduce)
         serve_connections(self.server, self._serve)
         hosted = self.spec.with_registry(tuple(ready["addresses"]), port)
         while alive(self.owner):
@@ -97,7 +109,17 @@ class ReaderHost:
         for link in links:
             link.close()
         self.server.close()
+        self.reading.close()
         return 0
+
+    def _introduce(self, _: set[int]) -> None:
+        """New senders: every lane host hears the whole list (its receiver opens doors)."""
+        message = {"senders": sorted(self.reading.senders)}
+        with self.lock:
+            links = list(self.links)
+        for link in links:
+            with contextlib.suppress(LinkError):
+                link.send_json(message)
 
     def _received(self, message: dict[str, Any]) -> None:
         """Log the receive report once every lane has reported what it received."""
@@ -156,6 +178,11 @@ class ReaderHost:
                             now=time.monotonic(),
                         )
                         link.send_json(answer)
+                        if answer["do"] == "receive":
+                            self.reading.publish(self.registry.epochs())
+                            senders = sorted(self.reading.senders)
+                            if senders:
+                                link.send_json({"senders": senders})
                     elif "done" in message and host is not None:
                         self.registry.done(int(message["done"]), host)
                         self._received(message)

@@ -15,7 +15,7 @@ host claims its lane there before it does anything. The registry answers:
 
 Lane states::
 
-    NONE --claim--> RECEIVING(host) --done--> DONE(replicas)
+    NONE --claim--> RECEIVING(host, epoch + 1) --done--> DONE(replicas)
     RECEIVING --host gone--> NONE             (a new claim receives; the lane
                                                itself detects lost partitions;
                                                unclaimed again: see below)
@@ -84,6 +84,9 @@ class LaneEntry:
     left_at: float | None = None  # when its last receiver went
     hosted_at: float | None = None  # when the registry last started a host for it
     hosting_failures: int = 0
+    # Rises each time a new host receives the lane (-1: never received); the
+    # reading end publishes it so that senders meet that host (directory.py).
+    epoch: int = -1
 
 
 def cannot_heal_record(lane: int, machines: list[str]) -> dict[str, str]:
@@ -176,12 +179,13 @@ class LaneRegistry:
         if entry.state == RECEIVING:
             assert entry.receiver is not None
             if entry.receiver.host_id == host.host_id:
-                return {"do": "receive"}
+                return {"do": "receive", "epoch": entry.epoch}
             # Follow the receiver: its partitions as they are staged, then the
             # manifest (a show() may need the first rows before the lane ends).
             return {"do": "fetch", "sources": [entry.receiver.to_json()]}
         entry.state, entry.receiver = RECEIVING, host
-        return {"do": "receive"}
+        entry.epoch += 1
+        return {"do": "receive", "epoch": entry.epoch}
 
     def done(self, lane: int, host: HostInfo) -> None:
         entry = self._entry(lane)
@@ -218,6 +222,10 @@ class LaneRegistry:
                 if entry.state == DONE and not entry.replicas:
                     entry.state = FAILED
                     entry.error = cannot_heal_record(lane, entry.lost)
+
+    def epochs(self) -> dict[int, int]:
+        """The epoch of every lane ever received: what the reading end publishes."""
+        return {lane: e.epoch for lane, e in enumerate(self.lanes) if e.epoch >= 0}
 
     def snapshot(self) -> list[dict[str, Any]]:
         """Each lane's state and the machines holding it (logs, tests)."""

@@ -1,392 +1,471 @@
-"""Rendezvous: how a sender process and a lane find each other through the mailbox.
+"""Rendezvous by introduction, on the crochet reactor: doors, the directory link, views.
 
-Every lane keeps one open *lobby*: a wormhole on slot ``k`` of its lane,
-whose nameplate and password are derived from the transfer secret
-(:func:`~.protocol.slot_code`). A sender process that needs the lane claims
-slots from 0 upward; the mailbox server lets two sides into a nameplate and
-answers ``crowded`` to a third, so a claim is atomic. Both sides keep their
-claim for as long as the pairing lives (``keep_nameplate``), so a used slot
-stays crowded and newcomers move past it. After a pairing the lane opens its
-lobby on the next slot.
+The rules are in :mod:`.directory` (pure). This module is their blocking glue:
 
-:class:`SlotPolicy` is the rule, pure; :func:`pair` is the blocking glue on
-the crochet reactor. Outcomes of one probe and what each role does:
-
-==================  ===========================  ================================
-outcome             sender                       lane
-==================  ===========================  ================================
-crowded             next slot                    retry the slot a few times (a
-                                                 sender collision clears in ms),
-                                                 then next slot
-peer of other role  paired                       paired; lobby on the next slot
-peer of same role   both leave cleanly; restart  burn the slot (keep the claim),
-                    from slot 0 after a jitter   next slot
-alone for T_pair    leave cleanly; restart from  stay: this is the lobby
-                    slot 0 after a backoff
-peer key, no        burn the slot (its peer      burn the slot, next slot
-versions in T_pair  died there), next slot
-the lane it probes  burn the slot; the lane is   burn the slot, next slot
-(same incarnation)  alive: stop probing
-==================  ===========================  ================================
-
-The last row serves a sender whose connection to a lane has been down for a
-while (:class:`~.sender.ConnectionPool`): it *probes* the lane's lobby naming
-the incarnation it is connected to. The same incarnation means the lane lives
-and only the path is down (wait for Dilation's reconnect); another one means
-the lane was replaced (its process or machine was lost), so the sender pairs
-with the new one at once instead of waiting ``reconnect_timeout``.
+* :func:`meet` claims one door (or the directory link's nameplate) and waits
+  for the one peer the directory sent there: no pairing timer, no crowding;
+  either side may come first.
+* :class:`DirectoryLink` is the one wormhole between the reading end and the
+  writing end of a transfer; each side sends its whole half of the directory
+  as a mailbox message whenever it changes.
+* :class:`SenderView` is a sending process's view: its sender id and the lanes'
+  epochs (fed by the writing end, :mod:`.hub`); the connection pool asks it
+  which door to claim and hears when an epoch rises.
+* :class:`SenderSet` is a receiving process's view: the sender ids the writing
+  end issued, for its lanes' doors.
 """
 
 from __future__ import annotations
 
 import contextlib
+import json
 import logging
-import random
 import threading
 import time
-from collections.abc import Iterable
+from collections.abc import Callable, Iterable
 from dataclasses import dataclass
 from typing import Any
 
 import crochet
-from twisted.internet import defer
 
-from ..errors import CrowdedError, DilationError, ServerConnectionError
-from ..wormhole.blocking import ensure_reactor, run_and_wait
+from ..errors import CrowdedError, DilationError, TransferError
+from ..wormhole.blocking import claim, ensure_reactor, run_and_wait
+from .directory import (
+    DirectoryState,
+    Door,
+    SenderDoors,
+    directory_code,
+    lanes_message,
+)
 from .protocol import (
+    PROTOCOL,
     RENDEZVOUS_APPID,
     ROLE_LANE,
     ROLE_SENDER,
-    peer_incarnation,
-    peer_role,
-    rendezvous_versions,
-    same_incarnation,
-    slot_code,
+    VERSION,
+    ProtocolError,
 )
+from .spec import TransferSpec
 
 log = logging.getLogger(__name__)
 
-DEFAULT_PAIR_TIMEOUT = 3.0  # T_pair: a live peer confirms the key within milliseconds
-LANE_CROWDED_RETRIES = 3
-# How long a cancelled pairing waits for the mailbox to confirm its close (the
-# wormhole's own close timeout is longer; a stop must not hang on a dead server).
+# How long a cancelled meeting waits for the mailbox to confirm its close (a
+# stop must not hang on a dead server; the wormhole's own close timeout is longer).
 CLOSE_WAIT = 5.0
+POLL = 0.25
 
-
-# --- the pure rule ------------------------------------------------------------------
-
-
-CROWDED = "crowded"
-PAIRED = "paired"
-SAME_ROLE = "same-role"
-ALONE = "alone"
-HALF_DEAD = "half-dead"
-SAME_INCARNATION = "same-incarnation"
-
-
-@dataclass(frozen=True)
-class Step:
-    """What to do after a probe: ``slot`` to probe next after ``delay`` seconds."""
-
-    action: str  # "probe", "done"
-    slot: int
-    delay: float = 0.0
-    release: bool = True  # leave the slot cleanly (False: keep the claim, burn it)
-
-
-class SlotPolicy:
-    """The rendezvous rule for one role (see the module docstring). No I/O, no clock."""
-
-    def __init__(self, role: str, rng: random.Random | None = None) -> None:
-        if role not in (ROLE_SENDER, ROLE_LANE):
-            raise ValueError(role)
-        self.role = role
-        self._rng = rng or random.Random()
-        self._crowded_retries = 0
-        self._polls = 0
-
-    def first(self, start: int = 0) -> Step:
-        return Step("probe", start)
-
-    def after(self, slot: int, outcome: str) -> Step:
-        lane = self.role == ROLE_LANE
-        if outcome == PAIRED:
-            self._crowded_retries = 0
-            self._polls = 0
-            return Step("done", slot + 1)
-        if outcome == CROWDED:
-            if lane and self._crowded_retries < LANE_CROWDED_RETRIES:
-                self._crowded_retries += 1
-                return Step("probe", slot, delay=0.1 * 2**self._crowded_retries)
-            self._crowded_retries = 0
-            return Step("probe", slot + 1)
-        self._crowded_retries = 0
-        if outcome == HALF_DEAD:
-            return Step("probe", slot + 1, release=False)
-        if outcome == SAME_INCARNATION:
-            return (
-                Step("probe", slot + 1, release=False)
-                if lane
-                else Step("alive", slot, release=False)
-            )
-        if outcome == SAME_ROLE:
-            if lane:
-                return Step("probe", slot + 1, release=False)
-            return Step("probe", 0, delay=self._rng.uniform(0.05, 0.5))
-        if outcome == ALONE:
-            if lane:  # never reported: the lane waits in its lobby
-                return Step("probe", slot)
-            self._polls += 1
-            return Step("probe", 0, delay=min(2.0, 0.1 * self._polls) * self._rng.uniform(0.5, 1.0))
-        raise ValueError(outcome)
-
-
-# --- one probe on the reactor -----------------------------------------------------------
-
-
-@dataclass
-class _Probe:
-    wormhole: Any
-    outcome: str = ""
-    peer_incarnation: str = ""
-
-
-def _probe_slot(
-    reactor: Any,
-    mailbox_url: str,
-    secret: bytes,
-    transfer_id: str,
-    lane: int,
-    slot: int,
-    role: str,
-    pair_timeout: float,
-    wait_alone: bool,
-    versions: dict[str, Any],
-    closing: list[defer.Deferred] | None = None,
-) -> defer.Deferred:
-    """Claim one slot; fires with a :class:`_Probe` whose outcome is one of the constants.
-
-    The wormhole stays open when paired; otherwise it is already closed
-    (released) or abandoned (burnt), as the policy wants. Cancelling the
-    Deferred closes the wormhole cleanly; the close's Deferred is appended
-    to ``closing`` so the caller can wait for it.
-    """
-    from ..wormhole.client import Wormhole
-
-    w = Wormhole(
-        RENDEZVOUS_APPID,
-        mailbox_url,
-        reactor,
-        app_versions=versions,
-        dilation=True,
-        keep_nameplate=True,
-    )
-    probe = _Probe(w)
-    timers: dict[str, Any] = {}
-    result: defer.Deferred
-
-    def cancel_timers() -> None:
-        for t in timers.values():
-            if t.active():
-                t.cancel()
-        timers.clear()
-
-    def finish(outcome: str) -> None:
-        cancel_timers()
-        if result.called:
-            return
-        probe.outcome = outcome
-        result.callback(probe)
-
-    def fail(error: BaseException) -> None:
-        cancel_timers()
-        if not result.called:
-            result.errback(error)
-
-    def cancelled(_: defer.Deferred) -> None:
-        cancel_timers()
-        closed = w.close().addErrback(lambda _: None)
-        if closing is not None:
-            closing.append(closed)
-
-    result = defer.Deferred(canceller=cancelled)
-
-    def on_versions(app_versions: dict[str, Any]) -> None:
-        other = peer_role(app_versions, transfer_id, lane)
-        probe.peer_incarnation = peer_incarnation(app_versions)
-        if other is not None and other != role and same_incarnation(versions, app_versions):
-            finish(SAME_INCARNATION)
-        elif other is not None and other != role:
-            finish(PAIRED)
-        else:
-            log.debug("slot %d of lane %d: peer role %r, ours %r", slot, lane, other, role)
-            finish(SAME_ROLE)
-
-    def on_error(failure: Any) -> None:
-        if result.called:
-            return
-        if failure.check(CrowdedError):
-            finish(CROWDED)
-        elif failure.check(ServerConnectionError):
-            fail(failure.value)
-        elif failure.check(defer.CancelledError):
-            return
-        else:  # wrong key, closed under us: nothing to pair with here
-            log.info("rendezvous slot %d of lane %d: %s", slot, lane, failure.value)
-            finish(HALF_DEAD)
-
-    def on_key(_: Any) -> None:
-        alone = timers.pop("alone", None)
-        if alone is not None and alone.active():
-            alone.cancel()
-        if not result.called:
-            timers["key"] = reactor.callLater(pair_timeout, finish, HALF_DEAD)
-
-    if not wait_alone:
-        timers["alone"] = reactor.callLater(pair_timeout, finish, ALONE)
-    w.get_versions().addCallbacks(on_versions, on_error)
-    w.get_unverified_key().addCallbacks(on_key, lambda f: None)
-    w.when_closed().addCallback(lambda error: on_error(_failure(error)) if error else None)
-    w.set_code(slot_code(secret, lane, slot))
-    return result
-
-
-def _failure(error: BaseException) -> Any:
-    from twisted.python.failure import Failure
-
-    return Failure(error)
-
-
-def _leave(probe: _Probe, release: bool) -> None:
-    if release:
-        probe.wormhole.close().addErrback(lambda _: None)
-    else:
-        probe.wormhole.abandon()
-
-
-# --- blocking pairing ---------------------------------------------------------------------
+ROLE_READER = "reader"  # the reading end of the directory link
+ROLE_WRITER = "writer"  # the writing end of the directory link
+_OTHER = {ROLE_SENDER: ROLE_LANE, ROLE_LANE: ROLE_SENDER, ROLE_READER: ROLE_WRITER}
+_OTHER[ROLE_WRITER] = ROLE_READER
 
 
 class RendezvousTimeout(DilationError, TimeoutError):
-    """No peer showed up on the lane's slots within the deadline."""
+    """The peer the directory named did not come within the deadline."""
 
 
 class RendezvousCancelled(DilationError):
-    """The pairing was cancelled (the lane finished, or the caller gave up)."""
+    """The meeting was cancelled (the lane finished, the epoch rose, the caller gave up)."""
 
 
-class LaneAlive(DilationError):
-    """A probe met the lane incarnation it named: the lane lives (see the module docstring)."""
+def meeting_versions(spec: TransferSpec, role: str, door: Door | None) -> dict[str, Any]:
+    """``app_versions`` of a door (or directory link) wormhole: who we are and which door."""
+    entry: dict[str, Any] = {"version": VERSION, "transfer": spec.transfer_id, "role": role}
+    if door is not None:
+        entry.update(lane=door.lane, epoch=door.epoch, sender=door.sender, attempt=door.attempt)
+    return {PROTOCOL: entry}
+
+
+def _check_peer(ours: dict[str, Any], theirs: dict[str, Any]) -> str:
+    """Why the peer is not the one the directory sent ("" if it is)."""
+    a, b = ours[PROTOCOL], theirs.get(PROTOCOL) if isinstance(theirs, dict) else None
+    if not isinstance(b, dict):
+        return "the peer is not a spark-dilation process"
+    if b.get("role") != _OTHER[a["role"]]:
+        return f"the peer's role is {b.get('role')!r}, not {_OTHER[a['role']]!r}"
+    for key in ("transfer", "lane", "epoch", "sender", "attempt"):
+        if a.get(key) != b.get(key):
+            return f"the peer names {key} {b.get(key)!r}, not {a.get(key)!r}"
+    return ""
+
+
+def meet(
+    spec: TransferSpec,
+    code: str,
+    role: str,
+    door: Door | None = None,
+    *,
+    deadline: float | None = None,
+    cancelled: Callable[[], bool] = lambda: False,
+    what: str = "the peer",
+) -> Any:
+    """Claim ``code`` and wait for the peer the directory sent there (blocking; not in the
+    reactor). Returns the wormhole, confirmed and not yet dilated.
+
+    ``deadline`` is a ``time.monotonic()`` value (None: wait until ``cancelled()``).
+    Raises :class:`RendezvousTimeout`, :class:`RendezvousCancelled`, or the
+    mailbox's own error (server unreachable). The wormhole releases its
+    nameplate once the peer is there and is closed on every failure.
+    """
+    from twisted.internet import reactor
+
+    from ..wormhole.client import Wormhole
+
+    ensure_reactor()
+    versions = meeting_versions(spec, role, door)
+
+    def start() -> tuple[Any, Any]:
+        w = Wormhole(
+            RENDEZVOUS_APPID, spec.options.mailbox_url, reactor, app_versions=versions,
+            dilation=True,
+        )  # fmt: skip
+        w.set_code(code)
+        return w, crochet.EventualResult(w.get_versions(), reactor)
+
+    w, waiter = run_and_wait(
+        start, timeout=30, on_timeout=lambda: RendezvousTimeout("starting a wormhole took 30 s")
+    )
+    try:
+        while True:
+            try:
+                theirs = waiter.wait(POLL)
+                break
+            except crochet.TimeoutError:
+                if cancelled():
+                    raise RendezvousCancelled(f"stopped waiting for {what}") from None
+                if deadline is not None and time.monotonic() >= deadline:
+                    raise RendezvousTimeout(f"{what} did not come in time") from None
+    except BaseException as e:
+        claim(waiter)  # its error (the close below) is ours to drop, not crochet's to log
+        close_wormhole(w)
+        if isinstance(e, CrowdedError):  # only two sides ever claim a door: a bug or an attack
+            raise DilationError(f"the door to {what} was crowded: {e}") from e
+        raise
+    problem = _check_peer(versions, theirs)
+    if problem:
+        close_wormhole(w)
+        raise ProtocolError(f"meeting {what}: {problem}")
+    return w
+
+
+def close_wormhole(w: Any) -> None:
+    """Close ``w`` and wait (at most CLOSE_WAIT) for the mailbox to confirm: a process that
+    exits right after must not cut the release short."""
+    with contextlib.suppress(Exception):
+        run_and_wait(
+            lambda: w.close().addErrback(lambda _: None),
+            timeout=CLOSE_WAIT,
+            on_timeout=lambda: TimeoutError("close"),
+        )
+
+
+# --- the directory link ------------------------------------------------------------------
+
+
+class DirectoryLink:
+    """The reading end's and the writing end's one wormhole (see :mod:`.directory`).
+
+    ``on_message(dict)`` runs in the link's thread for every message of the
+    other end; ``on_end(reason)`` once, when the link ends (closed by the
+    other end, or the mailbox lost for good). :meth:`send` keeps only the
+    latest half: each message carries all of it.
+    """
+
+    def __init__(
+        self,
+        spec: TransferSpec,
+        role: str,
+        on_message: Callable[[dict[str, Any]], None],
+        on_end: Callable[[str], None] = lambda _: None,
+    ) -> None:
+        if role not in (ROLE_READER, ROLE_WRITER):
+            raise ValueError(role)
+        self.spec = spec
+        self.role = role
+        self._on_message = on_message
+        self._on_end = on_end
+        self._lock = threading.Lock()
+        self._w: Any = None
+        self._pending: bytes | None = None
+        self._stop = threading.Event()
+        self.met = threading.Event()
+        self.error: BaseException | None = None
+        self._thread = threading.Thread(target=self._run, name="directory-link", daemon=True)
+
+    def start(self) -> DirectoryLink:
+        self._thread.start()
+        return self
+
+    def send(self, message: dict[str, Any]) -> None:
+        data = json.dumps(message, sort_keys=True).encode()
+        with self._lock:
+            w = self._w
+            if w is None:
+                self._pending = data
+                return
+        _send(w, data)
+
+    def _run(self) -> None:
+        try:
+            w = meet(
+                self.spec, directory_code(self.spec.secret), self.role,
+                cancelled=self._stop.is_set, what="the other end's directory",
+            )  # fmt: skip
+        except RendezvousCancelled:
+            return
+        except (DilationError, crochet.ReactorStopped) as e:
+            self.error = e
+            self._on_end(f"the directory link did not open: {e}")
+            return
+        with self._lock:
+            self._w, pending, self._pending = w, self._pending, None
+        self.met.set()
+        log.info("directory link of transfer %s open (%s end)", self.spec.transfer_id, self.role)
+        if pending is not None:
+            _send(w, pending)
+        self._receive(w)
+
+    def _receive(self, w: Any) -> None:
+        from twisted.internet import reactor
+
+        waiter = None
+        try:
+            while not self._stop.is_set():
+                if waiter is None:
+                    waiter = run_and_wait(
+                        lambda: crochet.EventualResult(w.get_message(), reactor),
+                        timeout=10,
+                        on_timeout=lambda: TimeoutError("the reactor did not answer in 10 s"),
+                    )
+                try:
+                    data = waiter.wait(POLL)
+                except crochet.TimeoutError:
+                    continue
+                except crochet.ReactorStopped:
+                    return
+                except Exception as e:  # closed by the other end, or the mailbox lost
+                    waiter = None
+                    if not self._stop.is_set():
+                        self.error = e
+                        self._on_end(f"the directory link ended: {e}")
+                    return
+                waiter = None
+                try:
+                    message = json.loads(data)
+                    if not isinstance(message, dict):
+                        raise ValueError("not an object")
+                    self._on_message(message)
+                except ValueError as e:
+                    log.warning("directory link: ignored a malformed message: %s", e)
+        finally:
+            if waiter is not None:
+                claim(waiter)  # stopped: the close fails it, and that is ours to drop
+
+    def close(self) -> None:
+        """Close the link (releases the nameplate, closes the mailbox); idempotent."""
+        self._stop.set()
+        with self._lock:
+            w, self._w = self._w, None
+        if w is not None:
+            close_wormhole(w)
+        if self._thread.is_alive() and self._thread is not threading.current_thread():
+            self._thread.join(CLOSE_WAIT + 1)
+
+
+def _send(w: Any, data: bytes) -> None:
+    with contextlib.suppress(Exception):
+        run_and_wait(
+            lambda: w.send_message(data),
+            timeout=10,
+            on_timeout=lambda: TimeoutError("the reactor did not answer in 10 s"),
+        )
+
+
+class ReadingEnd:
+    """The reading end of a transfer's directory: the lanes' epochs out, the senders in.
+
+    Held by the Spark reader host (epochs from its lane registry) or by the
+    receiving process of the CLI and the Python API (every lane in-process,
+    epoch 0). ``on_senders(new ids)`` runs in the link's thread.
+    """
+
+    def __init__(self, spec: TransferSpec, on_senders: Callable[[set[int]], None]) -> None:
+        self.spec = spec
+        self._state = DirectoryState()
+        self._on_senders = on_senders
+        self.ended = threading.Event()
+        self.link = DirectoryLink(spec, ROLE_READER, self._from_writer, self._ended)
+        self.link.start()
+
+    def _from_writer(self, message: dict[str, Any]) -> None:
+        new, _ = self._state.merge(message)
+        if new:
+            log.info("transfer %s: senders %s introduced", self.spec.transfer_id, sorted(new))
+            self._on_senders(new)
+
+    def _ended(self, why: str) -> None:
+        if not self.ended.is_set():
+            log.info("transfer %s: %s", self.spec.transfer_id, why)
+
+    @property
+    def senders(self) -> set[int]:
+        return set(self._state.senders)
+
+    def publish(self, epochs: dict[int, int]) -> None:
+        """Tell the writing end every hosted lane's current epoch."""
+        self.link.send(lanes_message(epochs))
+
+    def close(self) -> None:
+        self.ended.set()
+        self.link.close()
+
+
+# --- views ---------------------------------------------------------------------------------
+
+
+class SenderView:
+    """A sending process's view of one transfer's directory: its id and the lanes' epochs."""
+
+    def __init__(self, transfer_id: str, sender: int) -> None:
+        self.transfer_id = transfer_id
+        self.sender = sender
+        self._state = DirectoryState()
+        self._doors = SenderDoors(sender)
+        self._cond = threading.Condition()
+        self._listeners: list[Callable[[dict[int, int]], None]] = []
+
+    def update(self, message: dict[str, Any]) -> None:
+        """The writing end's news (lanes' epochs, the end); tells listeners of risen epochs."""
+        with self._cond:
+            _, risen = self._state.merge(message)
+            stale = self._doors.epochs(risen)
+            self._cond.notify_all()
+            listeners = list(self._listeners)
+        if stale:
+            log.info("transfer %s: lanes re-hosted (lane: epoch): %s", self.transfer_id, stale)
+            for listener in listeners:
+                listener(stale)
+
+    def listen(self, listener: Callable[[dict[int, int]], None]) -> None:
+        """``listener({lane: new epoch})`` for lanes this process used, when re-hosted."""
+        with self._cond:
+            self._listeners.append(listener)
+
+    @property
+    def ended(self) -> str:
+        return self._state.ended
+
+    def door(self, lane: int, deadline: float, cancelled: Callable[[], bool], what: str) -> Door:
+        """The door for a new connection to ``lane``, once its epoch is known (blocking)."""
+        with self._cond:
+            while True:
+                door = self._doors.want(lane)
+                if door is not None:
+                    return door
+                if self._state.ended:
+                    raise TransferError(f"{what}: {self._state.ended}")
+                if cancelled():
+                    raise RendezvousCancelled(f"stopped waiting for {what}")
+                if time.monotonic() >= deadline:
+                    raise RendezvousTimeout(f"{what} was never hosted by the receiver")
+                self._cond.wait(POLL)
+
+    def epoch(self, lane: int) -> int | None:
+        with self._cond:
+            return self._doors.epoch(lane)
+
+    def paired(self, door: Door) -> bool:
+        with self._cond:
+            return self._doors.paired(door)
+
+
+class SenderSet:
+    """A receiving process's view: the sender ids the writing end issued (only grows)."""
+
+    def __init__(self) -> None:
+        self._senders: set[int] = set()
+        self._lock = threading.Lock()
+        self._listeners: list[Callable[[set[int]], None]] = []
+
+    def add(self, senders: set[int] | list[int]) -> None:
+        with self._lock:
+            new = set(senders) - self._senders
+            self._senders |= new
+            listeners = list(self._listeners)
+        if new:
+            for listener in listeners:
+                listener(new)
+
+    def subscribe(self, listener: Callable[[set[int]], None]) -> None:
+        """Call ``listener`` with the senders known now, then with each new batch."""
+        with self._lock:
+            self._listeners.append(listener)
+            now = set(self._senders)
+        if now:
+            listener(now)
+
+    def unsubscribe(self, listener: Callable[[set[int]], None]) -> None:
+        with self._lock:
+            with contextlib.suppress(ValueError):
+                self._listeners.remove(listener)
+
+
+_lock = threading.Lock()
+_sender_views: dict[str, SenderView] = {}
+_sender_sets: dict[str, SenderSet] = {}
+_hub_clients: dict[str, Any] = {}
+
+
+def register_view(view: SenderView) -> None:
+    """This process sends for ``view.transfer_id`` with ``view`` (the writing end itself)."""
+    with _lock:
+        _sender_views[view.transfer_id] = view
+
+
+def forget(transfer_id: str) -> None:
+    with _lock:
+        _sender_views.pop(transfer_id, None)
+        _sender_sets.pop(transfer_id, None)
+        client = _hub_clients.pop(transfer_id, None)
+    if client is not None:
+        client.close()
+
+
+def sender_view(spec: TransferSpec, deadline: float) -> SenderView:
+    """This process's view of ``spec``'s directory: registered by the writing end in this
+    process, else obtained from the writing end's hub (:mod:`.hub`), once per process."""
+    with _lock:
+        view = _sender_views.get(spec.transfer_id)
+        if view is not None:
+            return view
+    from .hub import HubClient
+
+    client = HubClient.connect(spec, deadline)
+    with _lock:
+        view = _sender_views.get(spec.transfer_id)
+        if view is not None:  # another thread connected meanwhile
+            extra = client
+        else:
+            view, extra = client.view, None
+            _sender_views[spec.transfer_id] = view
+            _hub_clients[spec.transfer_id] = client
+    if extra is not None:
+        extra.close()
+    return view
+
+
+def sender_set(transfer_id: str) -> SenderSet:
+    """The senders this process's lanes of ``transfer_id`` open doors for."""
+    with _lock:
+        return _sender_sets.setdefault(transfer_id, SenderSet())
 
 
 @dataclass
 class Paired:
-    """A paired rendezvous wormhole, not yet dilated; the lane's incarnation if it named one."""
+    """A met door wormhole, not yet dilated, and the door it met on."""
 
     wormhole: Any
-    slot: int
-    incarnation: str = ""
-
-
-def pair(
-    *,
-    mailbox_url: str,
-    secret: bytes,
-    transfer_id: str,
-    lane: int,
-    role: str,
-    start_slot: int = 0,
-    deadline: float | None = None,
-    pair_timeout: float = DEFAULT_PAIR_TIMEOUT,
-    cancel: threading.Event | None = None,
-    what: str = "",
-    incarnation: str = "",
-    probe: str = "",
-) -> Paired:
-    """Pair with a peer of the other role on ``lane`` (blocking; not in the reactor).
-
-    ``deadline`` is a ``time.monotonic()`` value (None: wait forever, for a
-    lane's lobby). Raises :class:`RendezvousTimeout` when it passes,
-    :class:`RendezvousCancelled` when ``cancel`` is set, and the mailbox's
-    own errors (server unreachable) as they are. A lane names its
-    ``incarnation``; a sender that ``probe``s for a replacement of that lane
-    incarnation gets :class:`LaneAlive` if it is still the one in the lobby.
-    """
-    from twisted.internet import reactor
-
-    ensure_reactor()
-    versions = rendezvous_versions(transfer_id, role, lane, incarnation=incarnation, probe=probe)
-    policy = SlotPolicy(role)
-    step = policy.first(start_slot)
-    while True:
-        if step.delay:
-            _sleep(step.delay, deadline, cancel)
-        _check(deadline, cancel, what)
-        slot = step.slot
-        closing: list[defer.Deferred] = []
-        waiter = crochet.run_in_reactor(_probe_slot)(
-            reactor,
-            mailbox_url,
-            secret,
-            transfer_id,
-            lane,
-            slot,
-            role,
-            pair_timeout,
-            role == ROLE_LANE,
-            versions,
-            closing,
-        )
-        while True:
-            try:
-                probe: _Probe = waiter.wait(0.25)
-                break
-            except crochet.TimeoutError:
-                if (cancel is not None and cancel.is_set()) or _expired(deadline):
-                    waiter.cancel()
-                    with contextlib.suppress(Exception):
-                        waiter.wait(1)  # consume the CancelledError (crochet logs it otherwise)
-                    # Wait for the mailbox to confirm the close: a process that
-                    # exits right after (a CLI after its transfer) would drop the
-                    # connection mid-close and log a lost connection.
-                    if closing:
-                        with contextlib.suppress(Exception):
-                            crochet.run_in_reactor(lambda d: d)(closing[0]).wait(CLOSE_WAIT)
-                    _check(deadline, cancel, what)
-        step = policy.after(slot, probe.outcome)
-        if probe.outcome == PAIRED:
-            log.debug("lane %d: paired as %s on slot %d", lane, role, slot)
-            return Paired(probe.wormhole, slot, probe.peer_incarnation)
-        if probe.outcome != CROWDED:
-            run_and_wait(
-                _leave,
-                probe,
-                step.release,
-                timeout=10,
-                on_timeout=lambda slot=slot: RendezvousTimeout(f"leaving slot {slot} took 10 s"),
-            )
-        if step.action == "alive":
-            raise LaneAlive(f"{what or f'lane {lane}'} is alive on slot {slot}")
-
-
-def _expired(deadline: float | None) -> bool:
-    return deadline is not None and time.monotonic() >= deadline
-
-
-def _check(deadline: float | None, cancel: threading.Event | None, what: str) -> None:
-    if cancel is not None and cancel.is_set():
-        raise RendezvousCancelled(f"stopped waiting for {what or 'the peer'}")
-    if _expired(deadline):
-        raise RendezvousTimeout(what or "no peer came to the rendezvous in time")
-
-
-def _sleep(seconds: float, deadline: float | None, cancel: threading.Event | None) -> None:
-    if deadline is not None:
-        seconds = min(seconds, max(0.0, deadline - time.monotonic()))
-    if cancel is not None:
-        cancel.wait(seconds)
-    else:
-        time.sleep(seconds)
+    door: Door
 
 
 def dilate_paired(
@@ -432,18 +511,23 @@ def dilate_paired(
 
 
 __all__ = [
-    "ALONE",
-    "CROWDED",
-    "HALF_DEAD",
-    "PAIRED",
-    "SAME_INCARNATION",
-    "SAME_ROLE",
-    "LaneAlive",
+    "ROLE_LANE",
+    "ROLE_READER",
+    "ROLE_SENDER",
+    "ROLE_WRITER",
+    "DirectoryLink",
     "Paired",
+    "ReadingEnd",
     "RendezvousCancelled",
     "RendezvousTimeout",
-    "SlotPolicy",
-    "Step",
+    "SenderSet",
+    "SenderView",
+    "close_wormhole",
     "dilate_paired",
-    "pair",
+    "forget",
+    "meet",
+    "meeting_versions",
+    "register_view",
+    "sender_set",
+    "sender_view",
 ]

@@ -40,6 +40,7 @@ import pyarrow as pa
 from ..dilation.blocking import BlockingDilationError, DilationTimeout
 from ..errors import DilationError, TransferError
 from . import codec
+from .directory import Door
 from .partition import (
     InjectedFailure,
     LaneLostError,
@@ -66,12 +67,14 @@ from .protocol import (
     lane_of,
 )
 from .rendezvous import (
-    LaneAlive,
+    CLOSE_WAIT,
     Paired,
     RendezvousCancelled,
-    RendezvousTimeout,
+    SenderView,
+    close_wormhole,
     dilate_paired,
-    pair,
+    meet,
+    sender_view,
 )
 from .report import ConnectionStats, is_connecting, is_reconnecting, path_of, reconnects_of
 from .spec import TransferSpec
@@ -99,55 +102,43 @@ def process_name() -> str:
     return f"{socket.gethostname()}:{os.getpid()}"
 
 
-# A lane connection down this long may have lost its lane (process or machine
-# gone and a new incarnation waiting in a new lobby): probe the lobby, then
-# again after twice the gap, up to PROBE_GAP_MAX. Dilation itself would wait
-# reconnect_timeout (120 s) before giving up on the old one.
-REPLACE_AFTER = 2.0
-PROBE_GAP_MAX = 30.0
-PROBE_WINDOW = 10.0  # one probe's deadline (it walks the lane's used slots)
 WATCH_INTERVAL = 0.5
 
 
-class ReplacementClock:
-    """When a down lane connection is probed for a replacement (pure; fed the clock)."""
+class _Meeting:
+    """One background meeting of a pool with a lane's current host (see ConnectionPool)."""
 
     def __init__(self) -> None:
-        self._due: dict[Any, tuple[float, float]] = {}  # key -> (next probe at, gap)
-
-    def observe(self, key: Any, down: bool, now: float) -> bool:
-        """Record whether ``key``'s connection is down now; True when a probe is due."""
-        if not down:
-            self._due.pop(key, None)
-            return False
-        at, gap = self._due.setdefault(key, (now + REPLACE_AFTER, REPLACE_AFTER))
-        if now < at:
-            return False
-        gap = min(2 * gap, PROBE_GAP_MAX)
-        self._due[key] = (now + gap, gap)
-        return True
-
-    def forget(self, key: Any) -> None:
-        self._due.pop(key, None)
+        self.done = threading.Event()
+        self.cancel = threading.Event()
+        self.conn: Any = None
+        self.error: BaseException | None = None
+        self.thread: threading.Thread | None = None
 
 
 class ConnectionPool:
     """Dilation connections of this process, one per (transfer, lane); thread-safe.
 
-    A watcher thread probes the lobby of a lane whose connection has been down
-    for :data:`REPLACE_AFTER` seconds: if another incarnation of the lane waits
-    there, the lane was replaced, and the pool swaps in a connection to it
-    (partitions in flight on the old one fail as retryable losses and go again).
+    Each is made through the lane's door (:mod:`.directory`): this process's
+    view of the transfer's directory says which. A meeting runs in the
+    background and is never given up before it pairs, except when the lane's
+    epoch rises (its host was replaced: the meeting moves to the new door) or
+    the transfer ends: a caller whose deadline passes fails
+    (``lane_start_timeout``) while the meeting goes on, so the door sequence
+    has no holes and the next caller finds the connection made. When the
+    reading end re-hosts a lane, the pool swaps in a connection to the new
+    host at once; partitions in flight on the old one fail as retryable
+    losses and go again (the lane keeps the first complete attempt, so
+    nothing doubles).
     """
 
     def __init__(self) -> None:
         self._lock = threading.Lock()
         self._conns: dict[tuple[str, int], Any] = {}
-        self._making: dict[tuple[str, int], threading.Lock] = {}
-        # key -> (spec, slot, lane incarnation) of the pooled connection
-        self._paired: dict[tuple[str, int], tuple[TransferSpec, int, str]] = {}
-        self._probing: set[tuple[str, int]] = set()
-        self._clock = ReplacementClock()
+        self._meetings: dict[tuple[str, int], _Meeting] = {}
+        # key -> (spec, door) of the pooled connection
+        self._paired: dict[tuple[str, int], tuple[TransferSpec, Door]] = {}
+        self._listening: set[str] = set()  # transfers whose epoch pushes this pool hears
         self._watcher: threading.Thread | None = None
         self.opened: dict[str, int] = {}  # transfer -> connections opened
         self.paths: dict[str, list[str]] = {}
@@ -158,54 +149,109 @@ class ConnectionPool:
     def get(self, spec: TransferSpec, lane: int, deadline: float, what: str = "a partition") -> Any:
         key = (spec.transfer_id, lane)
         with self._lock:
-            making = self._making.setdefault(key, threading.Lock())
-        with making:
-            with self._lock:
-                conn = self._conns.get(key)
-            if conn is not None and conn._error is None and not conn._closed:
-                return conn
-            # A connection that found no path is made again too: its lane may have
-            # been replaced by one on another machine (a Python API send stops at
-            # its first failure anyway).
-            if conn is not None:
-                self.evict(spec.transfer_id, lane, conn)
-            try:
-                paired = self._pair(spec, lane, deadline)
-            except RendezvousCancelled:
-                raise self.failure(spec.transfer_id) or TransferError("cancelled") from None
-            except RendezvousTimeout:
+            conn = self._conns.get(key)
+        if conn is not None and conn._error is None and not conn._closed:
+            return conn
+        # A connection that found no path, or was given up, is made again on the
+        # lane's next door (its host opened it when this one paired).
+        if conn is not None:
+            self.evict(spec.transfer_id, lane, conn)
+        meeting = self._meeting(spec, lane)
+        ended = self._ended_event(spec.transfer_id)
+        while not meeting.done.wait(0.25):
+            if ended.is_set():
+                raise self.failure(spec.transfer_id) or TransferError("cancelled")
+            if time.monotonic() >= deadline:
                 raise LaneNotStartedError(
                     lane, spec.lanes, spec.options.lane_start_timeout, what, spec.options
-                ) from None
-            conn = self._dilate(spec, lane, paired)
-            with self._lock:
-                self._adopt(key, spec, paired, conn)
-            return conn
+                )
+        if isinstance(meeting.error, RendezvousCancelled):
+            raise self.failure(spec.transfer_id) or TransferError("cancelled") from None
+        if meeting.error is not None:
+            raise meeting.error
+        return meeting.conn
+
+    def _meeting(self, spec: TransferSpec, lane: int) -> _Meeting:
+        """The meeting under way for ``lane``, or a new one."""
+        key = (spec.transfer_id, lane)
+        with self._lock:
+            meeting = self._meetings.get(key)
+            if meeting is None or meeting.done.is_set():
+                meeting = self._meetings[key] = _Meeting()
+                meeting.thread = threading.Thread(
+                    target=self._meet, args=(spec, lane, meeting), name="lane-meeting", daemon=True
+                )
+                meeting.thread.start()
+        return meeting
 
     def _adopt(self, key: tuple[str, int], spec: TransferSpec, paired: Paired, conn: Any) -> None:
         self._conns[key] = conn
-        self._paired[key] = (spec, paired.slot, paired.incarnation)
-        self._clock.forget(key)
+        self._paired[key] = (spec, paired.door)
         self.opened[spec.transfer_id] = self.opened.get(spec.transfer_id, 0) + 1
         if self._watcher is None:
             self._watcher = threading.Thread(target=self._watch, name="lane-watch", daemon=True)
             self._watcher.start()
 
-    def _pair(
-        self, spec: TransferSpec, lane: int, deadline: float, start_slot: int = 0, probe: str = ""
-    ) -> Paired:
-        return pair(
-            mailbox_url=spec.options.mailbox_url,
-            secret=spec.secret,
-            transfer_id=spec.transfer_id,
-            lane=lane,
-            role=ROLE_SENDER,
-            start_slot=start_slot,
-            deadline=deadline,
-            cancel=self._ended_event(spec.transfer_id),
-            what=f"lane {lane}",
-            probe=probe,
-        )
+    def _view(self, spec: TransferSpec) -> SenderView:
+        view = sender_view(spec, time.monotonic() + spec.options.lane_start_timeout)
+        with self._lock:
+            hear = spec.transfer_id not in self._listening
+            self._listening.add(spec.transfer_id)
+        if hear:
+            view.listen(lambda epochs: self._rehosted(spec, epochs))
+        return view
+
+    def _meet(self, spec: TransferSpec, lane: int, meeting: _Meeting) -> None:
+        """Meet ``lane``'s current host at its door and pool the connection (a thread)."""
+        key = (spec.transfer_id, lane)
+        ended = self._ended_event(spec.transfer_id)
+        what = f"lane {lane}"
+
+        def stopped() -> bool:
+            return ended.is_set() or meeting.cancel.is_set()
+
+        try:
+            view = self._view(spec)
+            while True:
+                door = view.door(lane, float("inf"), stopped, what)
+
+                def stale(door: Door = door) -> bool:
+                    return stopped() or view.epoch(lane) != door.epoch
+
+                try:
+                    w = meet(spec, door.code(spec.secret), ROLE_SENDER, door, cancelled=stale,
+                             what=what)  # fmt: skip
+                except RendezvousCancelled:
+                    if stopped():
+                        raise
+                    continue  # the lane was re-hosted meanwhile: its new door
+                if not view.paired(door):
+                    close_wormhole(w)
+                    continue
+                paired = Paired(w, door)
+                conn = self._dilate(spec, lane, paired)
+                with self._lock:
+                    old = self._conns.get(key)
+                    if not stopped():
+                        self._adopt(key, spec, paired, conn)
+                if stopped():
+                    _quiet_close(conn, 0.0)
+                    raise RendezvousCancelled(f"stopped meeting {what}")
+                if old is not None and old is not conn:
+                    log.warning(
+                        "lane %d of transfer %s: its receiver was replaced (now epoch %d); "
+                        "partitions in flight go again to the new one",
+                        lane, spec.transfer_id, door.epoch,
+                    )  # fmt: skip
+                    threading.Thread(target=_quiet_close, args=(old, 0.0), daemon=True).start()
+                meeting.conn = conn
+                return
+        except crochet.ReactorStopped as e:  # the process is exiting
+            meeting.error = TransferError(f"stopped meeting {what}: {e}")
+        except BaseException as e:
+            meeting.error = e
+        finally:
+            meeting.done.set()
 
     def _dilate(self, spec: TransferSpec, lane: int, paired: Paired) -> Any:
         opts = spec.options
@@ -218,17 +264,20 @@ class ConnectionPool:
             timeout=opts.reconnect_timeout,
             no_path_timeout=opts.no_path_timeout,
         )
+        door = paired.door
         log.info(
-            "connected to lane %d of transfer %s (slot %d)", lane, spec.transfer_id, paired.slot
-        )
+            "connected to lane %d of transfer %s (epoch %d, sender %d, attempt %d)",
+            lane, spec.transfer_id, door.epoch, door.sender, door.attempt,
+        )  # fmt: skip
         threading.Thread(
             target=self._hear_lane, args=(spec.transfer_id, lane, conn), daemon=True
         ).start()
         return conn
 
-    # --- replaced lanes ------------------------------------------------------------
+    # --- re-hosted lanes -------------------------------------------------------------
 
     def _watch(self) -> None:
+        """compression=auto's link meter: what each connection's lane acknowledged."""
         while True:
             time.sleep(WATCH_INTERVAL)
             with self._lock:
@@ -243,55 +292,17 @@ class ConnectionPool:
                 acked, queued = progress.setdefault(key[0], ({}, {}))
                 # By id: the meter must not keep closed connections alive.
                 acked[id(conn)], queued[id(conn)] = status.acked_bytes, status.queued_bytes
-                down = is_reconnecting(status)
-                with self._lock:
-                    due = self._clock.observe(key, down, now) and key not in self._probing
-                    if due and self._paired.get(key, (None, 0, ""))[2]:
-                        self._probing.add(key)
-                    else:
-                        continue
-                threading.Thread(target=self._replace, args=(key, conn), daemon=True).start()
             for transfer_id, (acked, queued) in progress.items():
-                codec.note_progress(transfer_id, now, acked, queued)  # compression=auto's link
+                codec.note_progress(transfer_id, now, acked, queued)
 
-    def _replace(self, key: tuple[str, int], old: Any) -> None:
-        """Pair with a new incarnation of the lane if one waits in its lobby (a probe)."""
-        transfer_id, lane = key
-        with self._lock:
-            entry = self._paired.get(key)
-            if entry is None:  # the transfer was closed meanwhile
-                self._probing.discard(key)
-                return
-        spec, slot, incarnation = entry
-        try:
-            paired = self._pair(
-                spec, lane, time.monotonic() + PROBE_WINDOW, start_slot=slot + 1, probe=incarnation
-            )
-            conn = self._dilate(spec, lane, paired)
-        except LaneAlive:
-            log.info("lane %d of transfer %s lives; waiting for its reconnect", lane, transfer_id)
-            return
-        except crochet.ReactorStopped:  # the process is exiting
-            return
-        except DilationError as e:  # no lobby yet, mailbox trouble: probe again later
-            log.info("lane %d of transfer %s: no replacement found: %s", lane, transfer_id, e)
-            return
-        finally:
+    def _rehosted(self, spec: TransferSpec, epochs: dict[int, int]) -> None:
+        """The directory's push: these lanes have a new host; meet it now (the meeting
+        swaps the pooled connection when it pairs)."""
+        for lane, epoch in epochs.items():
             with self._lock:
-                self._probing.discard(key)
-        with self._lock:
-            swap = self._conns.get(key) is old
-            if swap:
-                self._adopt(key, spec, paired, conn)
-        if not swap:
-            _quiet_close(conn)
-            return
-        log.warning(
-            "lane %d of transfer %s: its receiver was replaced (incarnation %s, now %s) while "
-            "the connection was down; partitions in flight go again to the new one",
-            lane, transfer_id, incarnation, paired.incarnation,
-        )  # fmt: skip
-        threading.Thread(target=_quiet_close, args=(old, 0.0), daemon=True).start()
+                entry = self._paired.get((spec.transfer_id, lane))
+            if entry is not None and entry[1].epoch < epoch:
+                self._meeting(spec, lane)
 
     def _hear_lane(self, transfer_id: str, lane: int, conn: Any) -> None:
         """Accept the lane's control subchannels until the connection closes."""
@@ -403,12 +414,21 @@ class ConnectionPool:
         )
 
     def close_transfer(self, transfer_id: str, linger: float = 2.0) -> None:
-        """Close the transfer's connections (in parallel; ``linger``: see BlockingDilation)."""
+        """Close the transfer's connections (in parallel; ``linger``: see BlockingDilation)
+        and end its meetings under way (each closes its wormhole on the mailbox)."""
         with self._lock:
             keys = [k for k in self._conns if k[0] == transfer_id]
             conns = [self._conns.pop(k) for k in keys]
             for k in keys:
                 self._paired.pop(k, None)
+            meetings = [m for k, m in self._meetings.items() if k[0] == transfer_id]
+            for k in [k for k in self._meetings if k[0] == transfer_id]:
+                del self._meetings[k]
+        for meeting in meetings:
+            meeting.cancel.set()
+        for meeting in meetings:
+            if meeting.thread is not None and meeting.thread is not threading.current_thread():
+                meeting.thread.join(CLOSE_WAIT + 1)
         closing = [
             threading.Thread(target=_quiet_close, args=(c, linger), daemon=True) for c in conns
         ]
@@ -593,7 +613,7 @@ def deliver_control(
     confirmed = threading.Event()
 
     def one(lane: int) -> None:
-        # A lane restarted meanwhile (a new incarnation in a new lobby) gets it again.
+        # A lane re-hosted meanwhile (a new epoch) gets it again.
         while True:
             try:
                 once(lane)

@@ -2,7 +2,9 @@
 
 ``writer()`` starts it (``python -m spark_dilation.transfer.senderhost
 --session FILE``) on the driver's machine. It imports the wormhole and
-Dilation stack once, runs the session over the code, hands the agreed spec
+Dilation stack once, runs the session over the code, holds the writing end
+of the transfer's directory (:mod:`.hub`: every sending process of the
+writer gets its sender id there), hands the agreed spec
 back to ``writer()`` (``spec.pkl`` in its 0700 directory, read and removed at
 once; a failed session leaves ``error.json`` instead), pairs with every lane
 at once (so the first partition does not wait for it) and serves the Spark
@@ -52,7 +54,7 @@ from .hostlink import (
     unix_address,
     write_answer,
 )
-from .lifetime import owner_pid, read_private, try_lock, watch
+from .lifetime import alive, owner_pid, read_private, try_lock, watch
 from .protocol import CommittedPartition, ProtocolError, lane_of
 from .report import path_of
 from .sender import ConnectionPool, deliver_abort, deliver_manifest, stream_partition
@@ -288,6 +290,18 @@ def main(argv: list[str] | None = None) -> int:
     spec = _agree(start, launch_dir)
     if spec is None:
         return 1
+    from .hub import SenderHub
+
+    # The writing end of the transfer's directory: every sending process of the
+    # writer (this one is sender 0) is introduced to the lanes through it.
+    hub = SenderHub(spec, serve=True)
+    try:
+        return _serve_agreed(hub.spec_with_hub(), owner, launch_dir)
+    finally:
+        hub.close()
+
+
+def _serve_agreed(spec: TransferSpec, owner: int | None, launch_dir: str) -> int:
     serving = socket_path_fits(spec)
     if serving:
         # Before the spec is handed over: a task that finds this pid waits for the socket.
@@ -298,6 +312,10 @@ def main(argv: list[str] | None = None) -> int:
             (directory / "host.log").symlink_to(os.path.join(launch_dir, "host.log"))
     _write_atomically(os.path.join(launch_dir, "spec.pkl"), pickle.dumps(spec))
     if not serving:
+        # No socket for the tasks (they send in-process); the hub still
+        # introduces them, as long as the writing application runs.
+        while owner is None or alive(owner):
+            time.sleep(0.5)
         return 0
     host = SenderHost(spec, owner)
     code = host.run()

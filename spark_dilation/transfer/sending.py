@@ -2,12 +2,14 @@
 
 Whether this machine's sender host carries the work (option ``sender_host``,
 :mod:`.hostlink`) or this process does (:mod:`.sender`) is decided here and
-nowhere else. With ``sender_host`` (the default) the driver machine's host
-runs the session and every sending machine gets one host, started by its
-first task, so a transfer opens at most one connection per (sending
-machine, lane); a machine where no host can run (a socket path over the
-Unix socket limit and no /proc to shorten it; one warning says so) sends
-in-process. Importing this module loads no network stack.
+nowhere else. The driver machine's host always runs the session, holds the
+writing end of the directory (:mod:`.hub`) and delivers the commit or the
+abort. With ``sender_host`` (the default) every sending machine gets one
+host, started by its first task, so a transfer opens at most one connection
+per (sending machine, lane); with it off each task process sends itself; a
+machine where no host can run (a socket path over the Unix socket limit and
+no /proc to shorten it; one warning says so) sends in-process. Importing
+this module loads no network stack.
 """
 
 from __future__ import annotations
@@ -34,15 +36,13 @@ log = logging.getLogger(__name__)
 
 def agree(schema: pa.Schema, options: Any, code: str) -> TransferSpec:
     """The session over the code, as the sender of a Spark DataFrame (blocks for the reader)."""
-    if options.sender_host:
-        from .hostlink import HostLaunch
+    from .hostlink import HostLaunch
 
-        # The host runs the session and then serves the tasks: the caller (a
-        # planner worker) waits without loading the network stack itself.
-        return HostLaunch(schema, options, code).wait_spec()
-    from .session import SenderSession
-
-    return SenderSession.open(schema, options, code=code, source="spark").wait()
+    # The host runs the session, then holds the writing end of the directory
+    # (every sending process meets the lanes through it) and serves the tasks
+    # (sender_host) and the commit: the caller (a planner worker) waits
+    # without loading the network stack itself.
+    return HostLaunch(schema, options, code).wait_spec()
 
 
 def send(
@@ -82,11 +82,9 @@ def commit(
     manifest = Manifest.of(spec.transfer_id, (c for c, _ in sent))
     stats = [s for _, s in sent]
     control = 0
-    host_stats = None
-    if spec.options.sender_host:
-        from .hostlink import deliver_manifest_via_host
+    from .hostlink import deliver_manifest_via_host
 
-        host_stats = deliver_manifest_via_host(spec, manifest.partitions)
+    host_stats = deliver_manifest_via_host(spec, manifest.partitions)
     if host_stats is not None:
         stats.append(host_stats)
     else:
@@ -119,14 +117,13 @@ def _detail(spec: TransferSpec, stats: list[ConnectionStats], partitions: int) -
 
 def abort(spec: TransferSpec, reason: str, timeout: float = 30.0) -> None:
     """Tell every lane the transfer failed (best effort: the lanes' deadlines end them too)."""
-    if spec.options.sender_host:
-        from .hostlink import deliver_abort_via_host
+    from .hostlink import deliver_abort_via_host
 
-        try:
-            if deliver_abort_via_host(spec, reason, timeout=timeout):
-                return
-        except Exception as e:  # best effort, like deliver_abort; try in-process
-            log.warning("the sender host could not deliver the abort: %s", e)
+    try:
+        if deliver_abort_via_host(spec, reason, timeout=timeout):
+            return
+    except Exception as e:  # best effort, like deliver_abort; try in-process
+        log.warning("the sender host could not deliver the abort: %s", e)
     from .sender import deliver_abort
 
     deliver_abort(spec, reason, timeout=timeout)

@@ -35,6 +35,12 @@ class TransferSpec:
     # Partition formats besides Arrow IPC the receiver decodes (its answer's
     # "formats"; empty for an older receiver): see transfer/pqformat.py.
     formats: tuple[str, ...] = ()
+    # The writing end's sender hub (addresses, port) for the writing cluster's
+    # other sending processes (transfer/hub.py); None where one process sends.
+    hub: tuple[tuple[str, ...], int] | None = None
+
+    def with_hub(self, addresses: tuple[str, ...], port: int) -> TransferSpec:
+        return replace(self, hub=(tuple(addresses), port))
 
     def with_registry(self, addresses: tuple[str, ...], port: int) -> TransferSpec:
         return replace(self, registry=(tuple(addresses), port))

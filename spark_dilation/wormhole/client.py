@@ -359,20 +359,6 @@ class Wormhole:
             self._timers["close"] = self._reactor.callLater(CLOSE_TIMEOUT, self._close_timed_out)
         return self._closed.when().addCallback(self._raise_result)
 
-    def abandon(self) -> None:
-        """Drop the mailbox connection without releasing or closing anything.
-
-        The server keeps our claim on the nameplate and our side of the
-        mailbox, so they stay "crowded" for newcomers: the dataset rendezvous
-        abandons a slot whose peer died this way. Waiters fail with
-        :class:`WormholeClosedError`.
-        """
-        if self._dilator is not None:
-            self._dilator.stop()
-        self._stop_connection()
-        if not self._closed.done:
-            self._finished(WormholeClosedError("the wormhole was abandoned"))
-
     def when_closed(self) -> defer.Deferred:
         """Fires with the close result (None or the error) without closing."""
         return self._closed.when()

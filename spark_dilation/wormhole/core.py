@@ -12,6 +12,13 @@ Compatibility notes (magic-wormhole 0.24):
   to us, and are sent again after a reconnect (``_mailbox.py``). Inbound
   phases are processed once each, so replays are harmless.
 * The nameplate is released as soon as the peer's first message arrives.
+* A claim the server refused as ``crowded`` is still released: the server
+  wrote our ``nameplate_sides`` row before its crowded test, and without the
+  release the nameplate outlives everyone else's release. The reference does
+  the same: a refused claim closes the Boss ("errory"), the Terminator closes
+  the nameplate, then the mailbox (``_terminator.py:127``); the nameplate,
+  claim sent, sends ``release`` (``_nameplate.py:190``, ``S2B.upon(close)``),
+  and the mailbox, never learned, sends nothing (``_mailbox.py:200``).
 * The ``pake`` phase is plaintext; every other phase is SecretBox-encrypted
   with a key derived from the sender's side and the phase name. The first
   phase that decrypts confirms the key; one that does not means the codes
@@ -19,6 +26,26 @@ Compatibility notes (magic-wormhole 0.24):
   a ``version`` phase.
 * Application phases are ``"0"``, ``"1"``, ... and are delivered in order;
   ``dilate-N`` phases have their own counter and order.
+
+Deliberate difference from the reference (the "ghost" rule):
+
+* A claim that may have reached the server is never abandoned. The server's
+  ``claim`` also opens the mailbox for our side, so once it lands a peer
+  already waiting there counts us as its second side and waits for our PAKE.
+  If ``close()`` is called while the claim is unanswered (or was sent on a
+  connection that dropped), the core sends nothing yet: it waits for
+  ``claimed`` (sending the claim again after a reconnect, which the server
+  accepts because we have not released), then sends ``open``, its pending
+  ``add`` frames (always including the ``pake`` phase), ``release`` and
+  ``close``, in that order on one connection. The server handles one
+  connection's frames in order, so our PAKE is stored (and echoed to the
+  peer) before our side of the mailbox closes; pending ``add`` frames the
+  server never echoed are sent again before the ``close`` after a reconnect.
+  The waiting peer therefore always receives our PAKE, releases the
+  nameplate, and the mailbox is freed when it closes. (The reference 0.24
+  releases at once and ignores the late ``claimed``, ``_nameplate.py:190``
+  and ``:202``: the peer then waits for a PAKE that never comes, and our side
+  of the mailbox stays open until the server prunes it.)
 """
 
 from __future__ import annotations
@@ -270,6 +297,11 @@ class WormholeCore:
         self._release_sent = False
         self._tx("bind", appid=self.appid, side=self.side, client_version=self._client_version)
         if self.closing:
+            if self._claim == "claiming":
+                # The claim went out on an earlier connection and may have
+                # landed: claim again to learn the mailbox (the ghost rule).
+                self._send_claim()
+                return self._flush()
             if self._pending and self.mailbox is not None and not self._mailbox_closed:
                 # Messages the server never echoed (our version, say) go out
                 # before the close; the peer would otherwise never see them.
@@ -411,9 +443,14 @@ class WormholeCore:
         self._claim = "claimed"
         if self.mailbox is None:
             self.mailbox = msg["mailbox"]
-        if not self._mailbox_open and not self.closing:
-            self._open_mailbox()
-        if self.their_side is not None and not self.keep_nameplate:
+        if not self._mailbox_open:
+            self._open_mailbox()  # sends the pending adds, our PAKE among them
+        if self.closing:
+            # close() came while the claim was in flight (the ghost rule):
+            # our PAKE is now ahead of the release and close on this connection.
+            self._send_close_requests()
+            self._maybe_finish()
+        elif self.their_side is not None and not self.keep_nameplate:
             self._release()
 
     def _rx_released(self, msg: dict[str, Any]) -> None:
@@ -428,11 +465,19 @@ class WormholeCore:
     def _rx_error(self, msg: dict[str, Any]) -> None:
         orig = msg.get("orig") if isinstance(msg.get("orig"), dict) else {}
         orig_type = orig.get("type")
-        # A refused claim/open holds nothing we must give back when closing.
         if orig_type == "claim":
-            self._claim = None
+            if msg["error"] == "crowded" and self._claim == "claiming":
+                # The server recorded our side before refusing it: release it
+                # (even with keep_nameplate), like the reference does, before
+                # the close reports the error. No mailbox to close: a refused
+                # claim does not name one.
+                self._claim = "releasing"
+                if self.connected:
+                    self._send_release()
+            else:
+                self._claim = None  # a claim refused for another reason holds nothing
         elif orig_type == "open":
-            self.mailbox = None
+            self.mailbox = None  # a refused open holds nothing we can close
         if self.closing:
             log.info("mailbox server error while closing: %s", msg["error"])
             self._maybe_finish()
@@ -579,12 +624,13 @@ class WormholeCore:
         self._out.extend(events)
 
     def _send_close_requests(self) -> None:
-        if self._claim in ("claiming", "claimed", "releasing"):
-            if self._claim_sent or self._claim != "claiming":
-                self._claim = "releasing"
-                self._send_release()
-            else:
-                self._claim = None  # never reached the server
+        if self._claim == "claiming":
+            if self._claim_sent:
+                return  # the ghost rule: wait for "claimed", see the module docstring
+            self._claim = None  # never reached the server
+        if self._claim in ("claimed", "releasing"):
+            self._claim = "releasing"
+            self._send_release()
         if self.mailbox is not None and not self._mailbox_closed:
             self._tx("close", mailbox=self.mailbox, mood=self._mood)
 

@@ -1,0 +1,281 @@
+"""Meeting by introduction: the directory's rules (pure, no I/O, no clock).
+
+Worker processes never look for each other on shared nameplates. Two sides
+meet only on a **door**: a nameplate derived from the transfer secret and
+``(lane, epoch, sender, attempt)``, which exactly two processes ever claim,
+because the directory told exactly those two about it:
+
+* every sending process has a **sender id** issued once by the writing end
+  (:class:`SenderIds`; never reused, not even after the process is gone);
+* every lane has an **epoch**, bumped by the reading end each time a new
+  process takes the lane over (:class:`LaneEpochs`);
+* the two ends share their halves of this state over the **directory link**
+  (one wormhole between the reading end and the writing end, itself a
+  one-to-one pair: :func:`directory_code`). Each message carries the whole
+  half (:meth:`DirectoryState.merge`): senders only grow, epochs only rise,
+  so order, loss of an intermediate message and repeats change nothing.
+
+A lane host of epoch ``e`` keeps one door open per known sender
+(:class:`LaneDoors`); a sender that needs lane ``l`` claims the door of the
+lane's current epoch (:class:`SenderDoors`). Either side may claim first:
+there is no pairing timer, no crowding and no slot walk. A door is used once:
+after a pairing on attempt ``a`` the lane opens ``a + 1`` for that sender, so
+a sender's next connection (another pool, or one whose connection was given up
+while the lane host lives) comes on the next attempt. When the epoch of a lane
+rises, its senders close their claim on the old door and claim the new epoch's
+door at once (the push replaces every form of probing).
+
+Sender side, per lane, for each new connection (two pools of one process
+are two connections)::
+
+    event                                   action
+    --------------------------------------  ------------------------------------------
+    epoch of the lane unknown               wait for the directory's push
+    epoch e known                           claim (l, e, s, a), a = the next attempt
+    paired                                  dilate
+    the caller's deadline passes            the caller fails; the claim stays until it
+                                            pairs (the lane waits on exactly this door)
+    epoch e' > e pushed                     claims and connections at e are stale: close
+                                            them; new connections claim (l, e', s, 0...)
+
+Lane side, per (lane host of epoch e, sender s)::
+
+    state       event                         next        action
+    ---------   ---------------------------   ---------   -------------------------------
+    (none)      sender s known                OPEN(a=0)   claim door (l, e, s, 0)
+    OPEN(a)     paired                        OPEN(a+1)   keep the connection; claim a + 1
+    OPEN(a)     lane finished                 (none)      close (releases the claim)
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Any
+
+from .protocol import NAMEPLATE_DIGITS
+
+SENDERS = "senders"
+LANES = "lanes"
+END = "end"
+
+
+def _code(secret: bytes, info: str) -> str:
+    from ..wormhole.keys import derive_key  # lazy: task workers encode without SPAKE2/HKDF
+
+    raw = info.encode()
+    number = int.from_bytes(derive_key(secret, raw + b" nameplate", 16), "big")
+    nameplate = str(number % 10**NAMEPLATE_DIGITS).rjust(NAMEPLATE_DIGITS, "1")
+    password = derive_key(secret, raw + b" password", 16).hex()
+    return f"{nameplate}-{password}"
+
+
+def directory_code(secret: bytes) -> str:
+    """The code of the directory link: claimed by the reading end and the writing end only."""
+    return _code(secret, "spark-dilation directory v2")
+
+
+def door_code(secret: bytes, lane: int, epoch: int, sender: int, attempt: int) -> str:
+    """The code ``NAMEPLATE-PASSWORD`` of one door (digits only, at most 40: the server's rule).
+
+    Anyone holding the secret computes it; nobody else can guess the 128-bit
+    password, and the nameplate reveals nothing about the secret.
+    """
+    if min(lane, epoch, sender, attempt) < 0:
+        raise ValueError("lane, epoch, sender and attempt are non-negative")
+    return _code(secret, f"spark-dilation door lane {lane} epoch {epoch} sender {sender} "
+                         f"attempt {attempt}")  # fmt: skip
+
+
+# --- the two halves of the directory --------------------------------------------------
+
+
+class SenderIds:
+    """The writing end's allocator: every sending process gets an id never given before."""
+
+    def __init__(self) -> None:
+        self._next = 0
+
+    def issue(self) -> int:
+        sender = self._next
+        self._next += 1
+        return sender
+
+    @property
+    def issued(self) -> list[int]:
+        return list(range(self._next))
+
+
+class LaneEpochs:
+    """The reading end's epochs: each new host of a lane gets the next epoch of that lane."""
+
+    def __init__(self, lanes: int) -> None:
+        self._epochs: dict[int, int] = {}
+        self.lanes = lanes
+
+    def host(self, lane: int) -> int:
+        """A process takes ``lane`` over; its epoch (0 for the first)."""
+        if not 0 <= lane < self.lanes:
+            raise ValueError(f"lane {lane} of {self.lanes}")
+        epoch = self._epochs.get(lane, -1) + 1
+        self._epochs[lane] = epoch
+        return epoch
+
+    def current(self) -> dict[int, int]:
+        return dict(self._epochs)
+
+
+@dataclass
+class DirectoryState:
+    """What one side knows of the other's half; :meth:`merge` is order-free and idempotent."""
+
+    senders: set[int] = field(default_factory=set)
+    epochs: dict[int, int] = field(default_factory=dict)
+    ended: str = ""
+
+    def merge(self, message: dict[str, Any]) -> tuple[set[int], dict[int, int]]:
+        """Take one directory message; returns (new senders, lanes whose epoch rose).
+
+        Unknown keys are ignored (a later version may add some); malformed
+        values raise ``ValueError``.
+        """
+        new_senders: set[int] = set()
+        risen: dict[int, int] = {}
+        for s in message.get(SENDERS, ()):
+            s = _non_negative(s, "sender")
+            if s not in self.senders:
+                self.senders.add(s)
+                new_senders.add(s)
+        for lane, epoch in (message.get(LANES) or {}).items():
+            lane, epoch = _non_negative(lane, "lane"), _non_negative(epoch, "epoch")
+            if epoch > self.epochs.get(lane, -1):
+                self.epochs[lane] = epoch
+                risen[lane] = epoch
+        if message.get(END) and not self.ended:
+            self.ended = str(message[END])
+        return new_senders, risen
+
+
+def senders_message(senders: list[int] | set[int]) -> dict[str, Any]:
+    """The writing end's half: every sender id issued so far."""
+    return {SENDERS: sorted(senders)}
+
+
+def lanes_message(epochs: dict[int, int]) -> dict[str, Any]:
+    """The reading end's half: the current epoch of every hosted lane."""
+    return {LANES: {str(lane): epoch for lane, epoch in sorted(epochs.items())}}
+
+
+def end_message(reason: str) -> dict[str, Any]:
+    return {END: reason}
+
+
+def _non_negative(value: Any, what: str) -> int:
+    try:
+        number = int(value)
+    except (TypeError, ValueError):
+        raise ValueError(f"directory: {what} {value!r} is not a number") from None
+    if number < 0 or str(number) != str(value).strip():
+        raise ValueError(f"directory: {what} {value!r} is not a non-negative integer")
+    return number
+
+
+# --- doors ---------------------------------------------------------------------------
+
+
+@dataclass(frozen=True)
+class Door:
+    lane: int
+    epoch: int
+    sender: int
+    attempt: int
+
+    def code(self, secret: bytes) -> str:
+        return door_code(secret, self.lane, self.epoch, self.sender, self.attempt)
+
+
+class LaneDoors:
+    """Which doors a lane host of one epoch keeps open (see the module's lane table)."""
+
+    def __init__(self, lane: int, epoch: int) -> None:
+        self.lane = lane
+        self.epoch = epoch
+        self._attempt: dict[int, int] = {}  # sender -> attempt of its open door
+
+    def learn(self, senders: set[int] | list[int]) -> list[Door]:
+        """Senders the directory named; the doors to open now (one per new sender)."""
+        opened = []
+        for s in sorted(senders):
+            if s not in self._attempt:
+                self._attempt[s] = 0
+                opened.append(Door(self.lane, self.epoch, s, 0))
+        return opened
+
+    def paired(self, door: Door) -> Door | None:
+        """``door`` paired; the door to open next for its sender (None: a stale door)."""
+        if door.lane != self.lane or door.epoch != self.epoch:
+            return None
+        if self._attempt.get(door.sender) != door.attempt:
+            return None
+        self._attempt[door.sender] = door.attempt + 1
+        return Door(self.lane, self.epoch, door.sender, door.attempt + 1)
+
+    def open_doors(self) -> list[Door]:
+        return [Door(self.lane, self.epoch, s, a) for s, a in sorted(self._attempt.items())]
+
+
+class SenderDoors:
+    """Which door each new connection of one sender process claims (the module's sender
+    table). Attempts are handed out one per connection, so two pools of one process
+    never claim the same door, and never twice: a claim is never given up before it
+    pairs (only when its epoch is stale), so the lane's open door is always the next
+    one this process claims, or one it claims now."""
+
+    def __init__(self, sender: int) -> None:
+        self.sender = sender
+        self._epoch: dict[int, int] = {}
+        self._next: dict[int, int] = {}
+        self._wanted: set[int] = set()
+
+    def epoch(self, lane: int) -> int | None:
+        return self._epoch.get(lane)
+
+    def epochs(self, risen: dict[int, int]) -> dict[int, int]:
+        """Epochs rose (the directory's push); those of lanes this process uses: their
+        connections and claims at older epochs are stale."""
+        stale = {}
+        for lane, epoch in risen.items():
+            if epoch <= self._epoch.get(lane, -1):
+                continue
+            self._epoch[lane] = epoch
+            self._next[lane] = 0
+            if lane in self._wanted:
+                stale[lane] = epoch
+        return stale
+
+    def want(self, lane: int) -> Door | None:
+        """A new connection to ``lane``: the door to claim (None: no epoch known yet)."""
+        self._wanted.add(lane)
+        if lane not in self._epoch:
+            return None
+        attempt = self._next[lane]
+        self._next[lane] = attempt + 1
+        return Door(lane, self._epoch[lane], self.sender, attempt)
+
+    def paired(self, door: Door) -> bool:
+        """``door`` paired; False if it is stale (the lane's epoch rose meanwhile)."""
+        return self._epoch.get(door.lane) == door.epoch
+
+
+__all__ = [
+    "DirectoryState",
+    "Door",
+    "LaneDoors",
+    "LaneEpochs",
+    "SenderDoors",
+    "SenderIds",
+    "directory_code",
+    "door_code",
+    "end_message",
+    "lanes_message",
+    "senders_message",
+]

@@ -1,0 +1,200 @@
+"""The writing end of a transfer's directory: sender ids, the directory link, the hub.
+
+One process per transfer holds it: the Spark driver machine's sender host, or
+the sending process of the CLI and the Python API. It
+
+* issues every sending process its sender id (:class:`~.directory.SenderIds`;
+  its own is 0) and sends the whole list to the reading end over the
+  directory link (:class:`~.rendezvous.DirectoryLink`);
+* hears each lane's epoch from the reading end and passes it on to every
+  sending process, which then claims the lane's door (:mod:`.directory`).
+
+Other sending processes of a Spark writer (executor machines' sender hosts,
+tasks that send in-process, the commit) reach the hub over the writing
+cluster's own network, at the address in the spec (``TransferSpec.hub``), as
+lane hosts reach the registry: frames are :mod:`.boxlink` frames under a key
+derived from the transfer secret::
+
+    process -> hub: {"hello": 1}, then {"ping": 1} every 2 s
+    hub -> process: {"sender": S, "lanes": {...}}, then {"lanes": {...}} | {"end": why}
+                    whenever they change, {"ping": 1}
+
+A process keeps its link (and id) for as long as it sends for the transfer; a
+new process gets a new id, never one given before.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import logging
+import socket
+import threading
+import time
+from typing import Any
+
+from ..errors import TransferError
+from .boxlink import (
+    BoxLink,
+    LinkError,
+    advertised_addresses,
+    connect,
+    keep_alive,
+    link_key,
+    listen,
+    serve_connections,
+)
+from .directory import END, LANES, DirectoryState, SenderIds, lanes_message, senders_message
+from .readerhost import PING, SILENCE
+from .rendezvous import ROLE_WRITER, DirectoryLink, SenderView, forget, register_view
+from .spec import TransferSpec
+
+log = logging.getLogger(__name__)
+
+HUB_CONNECT = 10.0  # seconds a sending process tries to reach the hub
+
+
+def hub_key(spec: TransferSpec) -> bytes:
+    return link_key(spec.secret, "sender hub")
+
+
+class SenderHub:
+    """The writing end (see the module docstring). ``serve``: listen for the other
+    sending processes of the transfer (a Spark writer); the address is :attr:`address`."""
+
+    def __init__(self, spec: TransferSpec, serve: bool = False) -> None:
+        self.spec = spec
+        self._lock = threading.Lock()
+        self._ids = SenderIds()
+        self._state = DirectoryState()  # the reading end's half, as last heard
+        self._clients: set[BoxLink] = set()
+        self._closed = threading.Event()
+        self.view = SenderView(spec.transfer_id, self._ids.issue())
+        register_view(self.view)
+        self.link = DirectoryLink(spec, ROLE_WRITER, self._from_reader, self._link_ended)
+        self.link.send(senders_message(self._ids.issued))
+        self.link.start()
+        self.server: socket.socket | None = None
+        self.address: tuple[tuple[str, ...], int] | None = None
+        if serve:
+            self.server = listen()
+            self.address = (tuple(advertised_addresses()), self.server.getsockname()[1])
+            serve_connections(self.server, self._serve)
+
+    def spec_with_hub(self) -> TransferSpec:
+        """The spec every other sending process gets: with this hub's address."""
+        if self.address is None:
+            return self.spec
+        return self.spec.with_hub(*self.address)
+
+    def _news(self) -> dict[str, Any]:
+        message = lanes_message(self._state.epochs)
+        if self._state.ended:
+            message[END] = self._state.ended
+        return message
+
+    def _from_reader(self, message: dict[str, Any]) -> None:
+        with self._lock:
+            _, risen = self._state.merge(message)
+            news = self._news()
+            clients = list(self._clients)
+        self.view.update(message)
+        if risen or message.get(END):
+            for client in clients:
+                with contextlib.suppress(LinkError):
+                    client.send_json(news)
+
+    def _link_ended(self, why: str) -> None:
+        # Normal at the end: the reading end closes its side once it has the data.
+        # Connections made meanwhile live on; only new introductions stop.
+        if not self._closed.is_set():
+            log.info("transfer %s: %s", self.spec.transfer_id, why)
+
+    def _serve(self, sock: socket.socket) -> None:
+        link = BoxLink(sock, hub_key(self.spec))
+        stop = threading.Event()
+        sender = -1
+        try:
+            link.recv_json(SILENCE)  # hello
+            with self._lock:
+                sender = self._ids.issue()
+                issued = self._ids.issued
+                first = {"sender": sender, **self._news()}
+                self._clients.add(link)
+            self.link.send(senders_message(issued))
+            link.send_json(first)
+            log.info("transfer %s: sender %d joined", self.spec.transfer_id, sender)
+            keep_alive(link, PING, stop)
+            while not self._closed.is_set():
+                link.recv_json(SILENCE)  # pings; a silent or closed link is a process gone
+        except (LinkError, ValueError) as e:
+            if not self._closed.is_set():
+                log.info("transfer %s: sender %d left: %s", self.spec.transfer_id, sender, e)
+        finally:
+            stop.set()
+            with self._lock:
+                self._clients.discard(link)
+            link.close()
+
+    def close(self) -> None:
+        """Close the directory link and the hub; idempotent."""
+        self._closed.set()
+        if self.server is not None:
+            with contextlib.suppress(OSError):
+                self.server.close()
+        with self._lock:
+            clients = list(self._clients)
+        for client in clients:
+            client.close()
+        self.link.close()
+        forget(self.spec.transfer_id)
+
+
+class HubClient:
+    """A sending process's link to its transfer's hub: its sender id and the lanes' epochs."""
+
+    def __init__(self, spec: TransferSpec, link: BoxLink, first: dict[str, Any]) -> None:
+        self.spec = spec
+        self._link = link
+        self.view = SenderView(spec.transfer_id, int(first["sender"]))
+        self.view.update(first)
+        self._stop = threading.Event()
+        keep_alive(link, PING, self._stop)
+        threading.Thread(target=self._read, name="hub-link", daemon=True).start()
+
+    @classmethod
+    def connect(cls, spec: TransferSpec, deadline: float) -> HubClient:
+        if spec.hub is None:
+            raise TransferError(
+                f"transfer {spec.transfer_id}: no writing end to introduce this process to "
+                "the lanes (the spec names no sender hub)"
+            )
+        addresses, port = spec.hub
+        wait = max(1.0, min(HUB_CONNECT, deadline - time.monotonic()))
+        try:
+            link = connect(addresses, port, hub_key(spec), wait)
+            link.send_json({"hello": 1})
+            first = link.recv_json(wait)
+        except (LinkError, ValueError) as e:
+            raise TransferError(
+                "this sending process could not reach the writing application's sender "
+                f"host on its driver's machine ({', '.join(addresses)} port {port}): {e}. "
+                "If the writing application has ended, so has the transfer"
+            ) from e
+        return cls(spec, link, first)
+
+    def _read(self) -> None:
+        try:
+            while not self._stop.is_set():
+                message = self._link.recv_json(SILENCE)
+                if LANES in message or END in message:
+                    self.view.update(message)
+        except (LinkError, ValueError) as e:
+            if not self._stop.is_set():
+                self.view.update({END: f"the writing application's sender host went away ({e})"})
+
+    def close(self) -> None:
+        self._stop.set()
+        self._link.close()
+
+
+__all__ = ["HubClient", "SenderHub", "hub_key"]
