@@ -1,0 +1,394 @@
+"""Meeting by introduction on two clusters of namespace machines: transfers in a row, no stall.
+
+Usage (root: the machines are network namespaces; see
+``spark_dilation.testing.netcluster``)::
+
+    sudo .venv/bin/python benchmarks/rendezvous_multimachine.py             # 10 transfers
+    sudo .venv/bin/python benchmarks/rendezvous_multimachine.py --runs 3 --keep
+    sudo .venv/bin/python benchmarks/rendezvous_multimachine.py --cases show-first
+
+It starts the two standalone clusters of ``tests/test_multimachine.py`` once
+(cluster A writes, cluster B reads, 2 one-core workers each, relay only: the
+clusters cannot reach each other), then runs ``--runs`` transfers one after the
+other, cycling over the cases:
+
+- ``show-first``: the writer sends 200k rows in 4 partitions; the stepped
+  reader's first action is ``show()`` (it reads lane 0 only), then the digest
+  of every row.
+- ``4-lanes-2-slots``: the reader asks for ``lanes=4`` on its 2 task slots
+  (the lanes no slot runs are received on its driver's machine); digest.
+- ``more-senders-than-lanes``: the writer has 8 partitions on its machines, the
+  reader ``lanes=2``; digest.
+
+Each transfer gets a fresh code and ``--timeout`` seconds (300): a transfer
+that does not finish in time is a stall, a failed result (both applications
+are then killed with their process groups), never a hang. Before the reading
+application ends (its lane hosts then delete their staging, logs included),
+every machine's helper logs (``**/*.log`` under ``tmp/spark-dilation``) and the
+executors' output are copied to the run's folder.
+
+From those logs: for each lane host that received a lane, the seconds from
+its ``lane L (epoch E): receiving; a door for each sender named`` to its first
+``lane L (epoch E): sender S of lane L connected`` (the hosting-to-first-sender
+time), and the lines that say "crowded" (case-insensitive; the drivers' logs
+too). One JSON object per run::
+
+    {"case", "run", "ok", "seconds", "loaded_s", "rows", "digest_equal", "connections",
+     "hosting_to_first_sender_s": [...], "crowded_lines": N, ...}
+
+then one summary object (p50 and p99 of every hosting-to-first-sender time,
+stalls, failures, crowded lines). Exit status 1 if a run failed or a log said
+"crowded". ``--keep`` keeps the folder with every log (printed to stderr).
+"""
+
+from __future__ import annotations
+
+import argparse
+import contextlib
+import json
+import os
+import re
+import shutil
+import signal
+import statistics
+import subprocess
+import sys
+import tempfile
+import time
+from datetime import datetime
+from pathlib import Path
+from typing import Any
+
+PY = sys.executable
+ROWS = 200_000
+CASES = ("show-first", "4-lanes-2-slots", "more-senders-than-lanes")
+# case -> (writer partitions, reader options, reader actions)
+PLANS: dict[str, tuple[int, list[str], list[str]]] = {
+    "show-first": (4, [], ["show", "digest"]),
+    "4-lanes-2-slots": (4, ["lanes=4"], ["digest"]),
+    "more-senders-than-lanes": (8, ["lanes=2"], ["digest"]),
+}
+STAMP = r"^(\d{4}-\d\d-\d\d \d\d:\d\d:\d\d,\d{3}) "
+HOSTING = re.compile(STAMP + r".*lane (\d+) \(epoch (\d+)\): receiving; a door for each sender")
+CONNECTED = re.compile(STAMP + r".*lane (\d+) \(epoch (\d+)\): sender (\d+) of lane \d+ connected")
+HELPERS = ("lanehost", "readerhost", "senderhost")
+CROWDED = re.compile("crowded", re.IGNORECASE)
+
+
+class Stall(Exception):
+    """The transfer did not finish within its deadline."""
+
+
+def _tail(path: Path, n: int = 40) -> str:
+    return "\n".join(path.read_text(errors="replace").splitlines()[-n:]) if path.exists() else ""
+
+
+def _json_line(log: Path, key: str) -> dict[str, Any] | None:
+    for line in reversed(log.read_text(errors="replace").splitlines()):
+        if line.startswith("{") and f'"{key}"' in line:
+            return json.loads(line)
+    return None
+
+
+def _report(log: Path) -> dict[str, Any] | None:
+    from spark_dilation.spark.dataset import REPORT_PREFIX
+
+    lines = [ln for ln in log.read_text(errors="replace").splitlines() if REPORT_PREFIX in ln]
+    return json.loads(lines[-1].split(REPORT_PREFIX, 1)[1]) if lines else None
+
+
+def _stamp(text: str) -> float:
+    return datetime.strptime(text, "%Y-%m-%d %H:%M:%S,%f").timestamp()
+
+
+def _percentile(values: list[float], q: float) -> float | None:
+    """Nearest-rank percentile (``q`` in 0..100)."""
+    if not values:
+        return None
+    ordered = sorted(values)
+    rank = max(1, -(-len(ordered) * q // 100))  # ceil
+    return ordered[int(rank) - 1]
+
+
+class Run:
+    """One transfer: the writer on cluster A, the stepped reader on cluster B."""
+
+    def __init__(self, nc: Any, case: str, index: int, folder: Path, timeout: float) -> None:
+        self.nc, self.case, self.index, self.folder = nc, case, index, folder
+        self.deadline = time.monotonic() + timeout
+        self.code = f"{index + 1}-rendezvous-bench"
+        self.writer: subprocess.Popen[bytes] | None = None
+        self.reader: Any = None
+        self.started_wall = time.time()
+        folder.mkdir(parents=True)
+        # Logs left by earlier runs (a host that did not clean up) are not this run's.
+        self.before = {p for _, p in self._helper_logs()}
+
+    def left(self) -> float:
+        left = self.deadline - time.monotonic()
+        if left <= 0:
+            raise Stall(f"{self.case} run {self.index}: not done by its deadline")
+        return left
+
+    def _helper_logs(self) -> list[tuple[Any, Path]]:
+        out = []
+        for m in self.nc.machines:
+            root = m.tmp / "spark-dilation"
+            out += [(m, p) for p in (root.rglob("*.log") if root.exists() else ())]
+        return out
+
+    def keep_logs(self) -> None:
+        """Copy (again: files only grow) every machine's helper logs and executor output."""
+        for m, path in self._helper_logs():
+            if path in self.before:
+                continue
+            target = self.folder / "helpers" / m.name / path.relative_to(m.tmp / "spark-dilation")
+            target.parent.mkdir(parents=True, exist_ok=True)
+            with contextlib.suppress(OSError):  # a host may remove it meanwhile
+                shutil.copyfile(path, target)
+        for app in self.app_ids() or ():
+            for m in self.nc.machines:
+                for path in (m.dir / "work" / app).glob("*/std*"):
+                    target = self.folder / "executors" / m.name / path.relative_to(m.dir / "work")
+                    target.parent.mkdir(parents=True, exist_ok=True)
+                    with contextlib.suppress(OSError):
+                        shutil.copyfile(path, target)
+
+    def app_ids(self) -> set[str]:
+        """This run's Spark applications (their work directories), found by start time."""
+        ids = set()
+        for m in self.nc.machines:
+            work = m.dir / "work"
+            for d in work.glob("app-*") if work.exists() else ():
+                if d.stat().st_mtime >= self.started_wall - 5:
+                    ids.add(d.name)
+        return ids
+
+    def run(self) -> dict[str, Any]:
+        from spark_dilation.testing.stepped_reader import SteppedReader
+
+        partitions, options, actions = PLANS[self.case]
+        nc = self.nc
+        self.started_wall = time.time()
+        started = time.monotonic()
+        writer_log = self.folder / "writer.log"
+        self.writer = nc.run_driver(
+            nc.a,
+            [
+                PY, "-m", "spark_dilation.testing.spark_peer", "send", "--code", self.code,
+                "--mailbox", nc.mailbox_url, "--relay", nc.relay_url, "--master", nc.a.master_url,
+                "--rows", str(ROWS), "--partitions", str(partitions), "--digest",
+            ],
+            writer_log,
+        )  # fmt: skip
+        self.reader = SteppedReader(
+            lambda argv, log: nc.run_driver(nc.b, argv, log),
+            self.folder / "control",
+            self.folder / "reader.log",
+            code=self.code, mailbox=nc.mailbox_url, relay=nc.relay_url, master=nc.b.master_url,
+            options=options,
+        )  # fmt: skip
+        result: dict[str, Any] = {"case": self.case, "run": self.index, "code": self.code}
+        loaded = self._wait(lambda: self.reader.loaded(self.left()))
+        if "error" in loaded:
+            raise RuntimeError(f"load failed: {loaded['error']}")
+        # Both applications' start (Spark) and the code's agreement: not the transfer.
+        result["loaded_s"] = round(time.monotonic() - started, 2)
+        got: dict[str, Any] = {}
+        steps = {}
+        for action in actions:
+            got = self._wait(lambda a=action: self.reader.step(a, timeout=self.left()))
+            self.keep_logs()
+            if "error" in got:
+                raise RuntimeError(f"{action} failed: {got['error']}")
+            steps[action] = got.get("seconds")
+            if action == "show" and got.get("shown") != 5:
+                raise RuntimeError(f"show() showed {got.get('shown')} rows, not 5")
+        try:
+            code = self.writer.wait(self.left())
+        except subprocess.TimeoutExpired:
+            raise Stall("the writer did not end after the reader's last action") from None
+        result["seconds"] = round(time.monotonic() - started, 2)
+        result["step_seconds"] = steps
+        self.keep_logs()
+        sent = _json_line(writer_log, "side")
+        if code != 0 or sent is None or "error" in sent:
+            raise RuntimeError(f"the writer failed ({code}): {sent}")
+        report = _report(writer_log) or {}
+        result.update(
+            rows=report.get("rows"),
+            digest_equal=got.get("digest") == sent.get("digest"),
+            connections=report.get("connections"),
+            path=report.get("path"),
+        )
+        if not result["digest_equal"]:
+            raise RuntimeError(f"digests differ: {got.get('digest')} vs {sent.get('digest')}")
+        if result["rows"] != ROWS:
+            raise RuntimeError(f"the report names {result['rows']} rows: {report}")
+        stopped = self._wait(lambda: self.reader.step("stop", timeout=self.left()))
+        if stopped.get("action") != "stop":
+            raise RuntimeError(f"stop: {stopped}")
+        self.reader.proc.wait(max(1.0, self.left()))
+        self.keep_logs()
+        return result
+
+    def _wait(self, fn: Any) -> dict[str, Any]:
+        """A stepped reader's wait: past the deadline it is a stall, not a failure."""
+        try:
+            return fn()
+        except AssertionError as e:
+            if time.monotonic() >= self.deadline - 0.5:
+                raise Stall(str(e).splitlines()[0]) from None
+            raise RuntimeError(str(e)[-2000:]) from None
+
+    def kill(self) -> None:
+        """SIGKILL both drivers and their JVMs (process groups), as the tests do."""
+        procs = [self.writer, self.reader.proc if self.reader is not None else None]
+        for proc in procs:
+            if proc is not None and proc.poll() is None:
+                with contextlib.suppress(ProcessLookupError):
+                    os.killpg(proc.pid, signal.SIGKILL)
+                with contextlib.suppress(subprocess.TimeoutExpired):
+                    proc.wait(30)
+
+
+def _lane_helpers(nc: Any) -> list[str]:
+    """Lane hosts and sender hosts still running on either cluster."""
+    found = []
+    for m in nc.machines:
+        for pid in m.pids():
+            try:
+                cmd = Path(f"/proc/{pid}/cmdline").read_bytes().replace(b"\0", b" ").decode()
+            except OSError:
+                continue
+            if any(f"spark_dilation.transfer.{name}" in cmd for name in HELPERS):
+                found.append(f"{m.name}:{pid}")
+    return found
+
+
+def analyse(folder: Path) -> dict[str, Any]:
+    """Hosting-to-first-sender times and "crowded" lines from a run's copied logs."""
+    times: list[float] = []
+    never: list[str] = []
+    crowded: list[str] = []
+    helpers = folder / "helpers"
+    for path in sorted(folder.rglob("*")):
+        if not path.is_file() or path.suffix == ".json":
+            continue
+        hosted: dict[tuple[str, str], float] = {}
+        first: dict[tuple[str, str], float] = {}
+        for line in path.read_text(errors="replace").splitlines():
+            if CROWDED.search(line):
+                crowded.append(f"{path.relative_to(folder)}: {line[:300]}")
+            if helpers not in path.parents:
+                continue  # the lane hosts log to their own files only
+            if m := HOSTING.match(line):
+                hosted.setdefault((m[2], m[3]), _stamp(m[1]))
+            elif m := CONNECTED.match(line):
+                first.setdefault((m[2], m[3]), _stamp(m[1]))
+        for key, t0 in hosted.items():
+            if key in first:
+                times.append(round(first[key] - t0, 3))
+            else:
+                never.append(f"{path.relative_to(folder)}: lane {key[0]} epoch {key[1]}")
+    return {"times": times, "never": never, "crowded": crowded}
+
+
+def main() -> int:
+    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    p.add_argument("--runs", type=int, default=10, help="transfers in a row (cycling the cases)")
+    p.add_argument(
+        "--cases", default=",".join(CASES), help="comma-separated, from " + ",".join(CASES)
+    )
+    p.add_argument("--timeout", type=float, default=300.0, help="seconds per transfer")
+    p.add_argument("--keep", action="store_true", help="keep the folder with every log")
+    args = p.parse_args()
+    cases = [c for c in args.cases.split(",") if c]
+    unknown = set(cases) - set(CASES)
+    if unknown or not cases:
+        p.error(f"unknown cases {sorted(unknown)}; choose from {', '.join(CASES)}")
+
+    from spark_dilation.testing.netcluster import netns_available, start_net_clusters
+
+    ok, reason = netns_available()
+    if not ok:
+        print(f"needs network namespaces (run as root): {reason}", file=sys.stderr)
+        return 2
+    work = Path(tempfile.mkdtemp(prefix="rendezvous-bench-"))
+    results: list[dict[str, Any]] = []
+    nc = None
+    try:
+        t0 = time.monotonic()
+        nc = start_net_clusters(work / "netcluster")
+        nc.relay_only()
+        print(f"clusters up in {time.monotonic() - t0:.0f} s; logs in {work}", file=sys.stderr)
+        for i in range(args.runs):
+            case = cases[i % len(cases)]
+            folder = work / f"run-{i:02d}-{case}"
+            run = Run(nc, case, i, folder, args.timeout)
+            started = time.monotonic()
+            try:
+                result = run.run()
+                result["ok"] = True
+            except Exception as e:
+                with contextlib.suppress(Exception):
+                    run.keep_logs()
+                run.kill()
+                result = {
+                    "case": case,
+                    "run": i,
+                    "code": run.code,
+                    "ok": False,
+                    "stall": isinstance(e, Stall),
+                    "error": f"{type(e).__name__}: {e}"[:2000],
+                    "seconds": round(time.monotonic() - started, 2),
+                }
+                for name in ("writer.log", "reader.log"):
+                    print(f"--- {folder / name}\n{_tail(folder / name)}", file=sys.stderr)
+            # The next transfer starts on idle clusters: the helpers leave with their apps.
+            deadline = time.monotonic() + 30
+            while (left := _lane_helpers(nc)) and time.monotonic() < deadline:
+                time.sleep(0.5)
+            if left:
+                result["helpers_left"] = left
+            found = analyse(folder)
+            result["hosting_to_first_sender_s"] = found["times"]
+            result["crowded_lines"] = len(found["crowded"])
+            if found["never"]:
+                result["hosts_without_sender"] = found["never"]
+            if found["crowded"]:
+                result["crowded"] = found["crowded"][:10]
+            result["_times"] = found["times"]
+            results.append(result)
+            print(json.dumps({k: v for k, v in result.items() if k != "_times"}), flush=True)
+    finally:
+        if nc is not None:
+            try:
+                nc.close()
+            except Exception as e:
+                print(f"closing the clusters: {e}", file=sys.stderr)
+        if args.keep:
+            print(f"logs kept in {work}", file=sys.stderr)
+        else:
+            shutil.rmtree(work, ignore_errors=True)
+
+    times = [t for r in results for t in r["_times"]]
+    summary = {
+        "summary": True,
+        "runs": len(results),
+        "ok": sum(r["ok"] for r in results),
+        "stalls": sum(bool(r.get("stall")) for r in results),
+        "failures": sum(not r["ok"] for r in results),
+        "lane_hosts": len(times),
+        "hosting_to_first_sender_p50_s": _percentile(times, 50),
+        "hosting_to_first_sender_p99_s": _percentile(times, 99),
+        "hosting_to_first_sender_max_s": max(times) if times else None,
+        "crowded_lines": sum(r["crowded_lines"] for r in results),
+        "seconds_p50": statistics.median([r["seconds"] for r in results]) if results else None,
+    }
+    print(json.dumps(summary), flush=True)
+    return 0 if summary["failures"] == 0 and summary["crowded_lines"] == 0 and results else 1
+
+
+if __name__ == "__main__":
+    sys.exit(main())
