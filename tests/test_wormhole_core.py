@@ -1,8 +1,12 @@
 """Unit tests of the sans-IO wormhole core: frames in, events out, no I/O.
 
-A tiny in-memory stand-in for the mailbox server routes frames between two
-cores; it implements only what these tests need. Interop with the real
-server and the reference client lives in test_wormhole_interop.py.
+Exchanges run against the real mailbox server code through the deterministic
+harness in tests/mailbox_harness.py (the real ``wormhole_mailbox_server``
+protocol and database in memory, a frame router instead of sockets, a fake
+clock). Tests of the core alone feed it hand-made server frames. Interop with
+the reference client lives in test_wormhole_interop.py; server scenarios
+(crowded claims, the ghost rule, seeded interleavings) in
+test_mailbox_harness.py.
 """
 
 from __future__ import annotations
@@ -10,6 +14,7 @@ from __future__ import annotations
 import json
 
 import pytest
+from mailbox_harness import UP, Client, Harness
 
 from spark_dilation.errors import (
     CodeFormatError,
@@ -28,10 +33,6 @@ from spark_dilation.wormhole.keys import derive_phase_key, encrypt_data
 APPID = "example.com/test"
 
 
-def frames(events: list[core.Event]) -> list[dict]:
-    return [json.loads(e.payload) for e in events if isinstance(e, core.SendFrame)]
-
-
 def of_type(events: list[core.Event], kind: type) -> list:
     return [e for e in events if isinstance(e, kind)]
 
@@ -40,242 +41,201 @@ def server_msg(mtype: str, **fields) -> bytes:
     return json.dumps({"type": mtype, **fields}).encode()
 
 
-class FakeMailbox:
-    """Routes frames between cores like the real server does (only the parts we use)."""
-
-    def __init__(self) -> None:
-        self.nameplates: dict[str, str] = {}
-        self.claims: dict[str, set[str]] = {}
-        self.mailboxes: dict[str, list[dict]] = {}
-        self.listeners: dict[str, list[Peer]] = {}
-        self.log: list[tuple[str, dict]] = []
-
-    def handle(self, peer: Peer, msg: dict) -> None:
-        self.log.append((peer.core.side, msg))
-        t = msg["type"]
-        if t == "allocate":
-            n = str(len(self.nameplates) + 1)
-            self.nameplates[n] = f"mb{n}"
-            peer.deliver(server_msg("allocated", nameplate=n))
-        elif t == "claim":
-            n = msg["nameplate"]
-            sides = self.claims.setdefault(n, set())
-            sides.add(peer.core.side)
-            if len(sides) > 2:
-                peer.deliver(server_msg("error", error="crowded", orig=msg))
-                return
-            mailbox = self.nameplates.setdefault(n, f"mb{n}")
-            peer.deliver(server_msg("claimed", mailbox=mailbox))
-        elif t == "release":
-            peer.deliver(server_msg("released"))
-        elif t == "open":
-            mb = msg["mailbox"]
-            self.listeners.setdefault(mb, []).append(peer)
-            peer.mailbox = mb
-            for m in list(self.mailboxes.get(mb, [])):
-                peer.deliver(server_msg("message", **m))
-        elif t == "add":
-            m = {"side": peer.core.side, "phase": msg["phase"], "body": msg["body"]}
-            self.mailboxes.setdefault(peer.mailbox, []).append(m)
-            for listener in self.listeners.get(peer.mailbox, []):
-                if listener.connected:
-                    listener.deliver(server_msg("message", **m))
-        elif t == "close":
-            peer.deliver(server_msg("closed"))
-        elif t == "list":
-            ids = [{"id": n} for n in sorted(self.nameplates)]
-            peer.deliver(server_msg("nameplates", nameplates=ids))
-        elif t == "ping":
-            peer.deliver(server_msg("pong", pong=msg["ping"]))
-
-
-class Peer:
-    def __init__(self, server: FakeMailbox, **kwargs) -> None:
-        self.server = server
-        self.core = core.WormholeCore(APPID, **kwargs)
-        self.events: list[core.Event] = []
-        self.inbox: list[bytes] = []
-        self.connected = False
-        self.mailbox: str | None = None
-
-    def deliver(self, payload: bytes) -> None:
-        self.inbox.append(payload)
-
-    def feed(self, events: list[core.Event]) -> None:
-        for e in events:
-            if isinstance(e, core.SendFrame):
-                assert self.connected
-                self.server.handle(self, json.loads(e.payload))
-            else:
-                self.events.append(e)
-
-    def connect(self) -> None:
-        self.connected = True
-        self.inbox.append(server_msg("welcome", welcome={"motd": "hi"}))
-        self.feed(self.core.connection_made())
-
-    def disconnect(self) -> None:
-        self.connected = False
-        self.inbox.clear()
-        for listeners in self.server.listeners.values():
-            if self in listeners:
-                listeners.remove(self)
-        self.feed(self.core.connection_lost())
-
-    def pump(self) -> bool:
-        moved = False
-        while self.inbox and self.connected:
-            moved = True
-            self.feed(self.core.frame_received(self.inbox.pop(0)))
-        return moved
-
-    def got(self, kind: type) -> list:
-        return of_type(self.events, kind)
-
-
-def run(*peers: Peer) -> None:
-    for _ in range(200):
-        if not any([p.pump() for p in peers]):
-            return
-    raise AssertionError("the exchange did not settle")
-
-
 @pytest.fixture
-def server() -> FakeMailbox:
-    return FakeMailbox()
+def h() -> Harness:
+    return Harness(appid=APPID, motd="hi")
 
 
-def pair(server: FakeMailbox, code_b: str | None = None) -> tuple[Peer, Peer]:
-    a, b = Peer(server), Peer(server)
-    a.connect()
-    a.feed(a.core.allocate_code(2))
-    run(a)
+def sent(client: Client, mtype: str) -> list[dict]:
+    """The frames of one type the server received from ``client``."""
+    return [m for m in client.sent if m["type"] == mtype]
+
+
+def replies(client: Client) -> list[str]:
+    """The types of the frames the server sent ``client``, acks left out."""
+    return [m["type"] for m in client.received if m["type"] != "ack"]
+
+
+def plaintexts(client: Client, kind: type = core.GotMessage) -> list[bytes]:
+    return [m.plaintext for m in client.got(kind)]
+
+
+def pair(h: Harness) -> tuple[Client, Client]:
+    """A allocates a code, B types it; both run until the server is quiet."""
+    a = h.client("a")
+    a.allocate_code(2)
+    h.run_until_quiet()
     (code,) = [e.code for e in a.got(core.GotCode)]
-    b.connect()
-    b.feed(b.core.set_code(code_b or code))
-    run(a, b)
+    b = h.client("b")
+    b.set_code(code)
+    h.run_until_quiet()
     return a, b
 
 
-def test_bind_is_first_and_carries_appid_side_and_client_version(server):
-    a = Peer(server)
-    sent = frames(a.core.connection_made())
-    assert sent[0]["type"] == "bind"
-    assert sent[0]["appid"] == APPID
-    assert sent[0]["side"] == a.core.side and len(a.core.side) == 10
-    assert sent[0]["client_version"][0] == "spark-dilation"
-    assert all(len(f["id"]) == 4 for f in sent)
+def close_all(h: Harness, *clients: Client) -> None:
+    for c in clients:
+        c.close()
+    h.run_until_quiet()
+    for c in clients:
+        assert c.got(core.Closed)
 
 
-def test_happy_exchange_in_order_with_matching_verifiers(server):
-    a, b = pair(server)
-    assert a.got(core.GotWelcome)[0].welcome == {"motd": "hi"}
+def intruder(h: Harness, nameplate: str, side: str) -> tuple[Client, str]:
+    """A raw client that claims ``nameplate`` and opens its mailbox; returns the mailbox id."""
+    x = h.raw_client("x")
+    x.send_raw("bind", appid=h.appid, side=side)
+    x.send_raw("claim", nameplate=nameplate)
+    h.run_until_quiet()
+    (claimed,) = [m for m in x.received if m["type"] == "claimed"]
+    x.send_raw("open", mailbox=claimed["mailbox"])
+    return x, claimed["mailbox"]
+
+
+def test_bind_is_first_and_carries_appid_side_and_client_version(h):
+    assert len(core.WormholeCore(APPID).side) == 10  # the default side
+    a = h.client("a")
+    a.set_code("1-aa-bb")
+    h.run_until_quiet()
+    assert a.sent_types()[0] == "bind"
+    bind = a.sent[0]
+    assert bind["appid"] == APPID
+    assert bind["side"] == a.core.side
+    assert bind["client_version"][0] == "spark-dilation"
+    assert all(len(f["id"]) == 4 for f in a.sent)
+    # The server accepted every frame: an ack for each, no error.
+    assert not [m for m in a.received if m["type"] == "error"]
+    assert [m["id"] for m in a.received if m["type"] == "ack"] == [f["id"] for f in a.sent]
+
+
+def test_happy_exchange_in_order_with_matching_verifiers(h):
+    a, b = pair(h)
+    welcome = a.got(core.GotWelcome)[0].welcome
+    assert welcome["motd"] == "hi"  # the real server adds "your-address"
     (va,), (vb,) = a.got(core.GotVerifier), b.got(core.GotVerifier)
     assert va.verifier == vb.verifier and len(va.verifier) == 32
     assert a.core.key == b.core.key
     for i in range(3):
-        a.feed(a.core.send_message(b"a%d" % i))
-    b.feed(b.core.send_message(b"from b"))
-    run(a, b)
-    assert [m.plaintext for m in b.got(core.GotMessage)] == [b"a0", b"a1", b"a2"]
-    assert [m.plaintext for m in a.got(core.GotMessage)] == [b"from b"]
+        a.send_message(b"a%d" % i)
+    b.send_message(b"from b")
+    h.run_until_quiet()
+    assert plaintexts(b) == [b"a0", b"a1", b"a2"]
+    assert plaintexts(a) == [b"from b"]
     assert a.got(core.GotVersions)[0].app_versions == {}
+    close_all(h, a, b)
+    assert a.closed_result is None and b.closed_result is None
+    assert h.empty()
 
 
-def test_nameplate_released_once_the_peer_arrives(server):
-    a, b = pair(server)
-    releases = [s for s, m in server.log if m["type"] == "release"]
-    assert sorted(releases) == sorted([a.core.side, b.core.side])
+def test_nameplate_released_once_the_peer_arrives(h):
+    a, b = pair(h)
+    nameplate = a.core.code.split("-")[0]
+    for p in (a, b):
+        assert [m["nameplate"] for m in sent(p, "release")] == [nameplate]
+        assert replies(p).count("released") == 1
+    # Both released before either closed: the server already deleted the nameplate.
+    assert h.sides_per_nameplate() == {}
+    assert not a.got(core.Closed) and not b.got(core.Closed)
 
 
-def test_versions_and_app_versions_reach_the_peer(server):
-    a = Peer(server, versions={"can-dilate": ["ged"], "app_versions": {"x": 1}})
-    b = Peer(server)
-    a.connect()
-    a.feed(a.core.set_code("5-foo-bar"))
-    b.connect()
-    b.feed(b.core.set_code("5-foo-bar"))
-    run(a, b)
+def test_versions_and_app_versions_reach_the_peer(h):
+    a = h.client("a", versions={"can-dilate": ["ged"], "app_versions": {"x": 1}})
+    b = h.client("b")
+    a.set_code("5-foo-bar")
+    b.set_code("5-foo-bar")
+    h.run_until_quiet()
     got = b.got(core.GotVersions)[0]
     assert got.versions["can-dilate"] == ["ged"]
     assert got.app_versions == {"x": 1}
 
 
-def test_wrong_code_both_sides_learn_and_close_scary(server):
-    a, b = Peer(server), Peer(server)
-    a.connect()
-    a.feed(a.core.set_code("3-right-code"))
-    b.connect()
-    b.feed(b.core.set_code("3-wrong-code"))
-    run(a, b)
+def test_wrong_code_both_sides_learn_and_close_scary(h):
+    a, b = h.client("a"), h.client("b")
+    a.set_code("3-right-code")
+    b.set_code("3-wrong-code")
+    h.run_until_quiet()
     for p in (a, b):
-        (closed,) = p.got(core.Closed)
-        assert isinstance(closed.error, WrongCodeError)
-        assert "mistyped" in str(closed.error)
+        assert isinstance(p.closed_result, WrongCodeError)
+        assert "mistyped" in str(p.closed_result)
         assert not p.got(core.GotVerifier)
         assert p.got(core.StopConnection)
-    moods = [m["mood"] for _, m in server.log if m["type"] == "close"]
-    assert moods == ["scary", "scary"]
+        assert [m["mood"] for m in sent(p, "close")] == ["scary"]
+        assert not p.connected  # StopConnection closed the WebSocket
+    assert h.empty()
 
 
-def test_messages_sent_before_confirmation_wait_for_it(server):
-    a = Peer(server)
-    a.connect()
-    a.feed(a.core.set_code("4-aa-bb"))
-    a.feed(a.core.send_message(b"early"))
-    run(a)
-    added = [m["phase"] for s, m in server.log if m["type"] == "add"]
-    assert added == ["pake"]  # nothing encrypted before the key is confirmed
-    b = Peer(server)
-    b.connect()
-    b.feed(b.core.set_code("4-aa-bb"))
-    run(a, b)
-    assert [m.plaintext for m in b.got(core.GotMessage)] == [b"early"]
+def test_messages_sent_before_confirmation_wait_for_it(h):
+    a = h.client("a")
+    a.set_code("4-aa-bb")
+    a.send_message(b"early")
+    h.run_until_quiet()
+    assert [m["phase"] for m in sent(a, "add")] == ["pake"]  # nothing encrypted yet
+    b = h.client("b")
+    b.set_code("4-aa-bb")
+    h.run_until_quiet()
+    assert plaintexts(b) == [b"early"]
+    assert [m["phase"] for m in sent(a, "add")] == ["pake", "version", "0"]
 
 
-def test_reconnect_mid_session_resends_and_deduplicates(server):
-    a, b = pair(server)
+def test_reconnect_mid_session_resends_and_deduplicates(h):
+    a, b = pair(h)
     # b drops before its message reaches the server; a sends while b is away.
     b.disconnect()
-    b.feed(b.core.send_message(b"while offline"))
-    a.feed(a.core.send_message(b"to the absent"))
-    run(a)
+    b.send_message(b"while offline")
+    a.send_message(b"to the absent")
+    h.run_until_quiet()
     assert not b.got(core.GotMessage)
-    b.connect()  # rebinds, reopens, replays the mailbox, resends pending
-    run(a, b)
-    assert [m.plaintext for m in b.got(core.GotMessage)] == [b"to the absent"]
-    assert [m.plaintext for m in a.got(core.GotMessage)] == [b"while offline"]
-    reopen = [m for s, m in server.log if s == b.core.side and m["type"] == "open"]
-    assert len(reopen) == 2
+    b.connect()  # rebinds, reopens, the server replays the mailbox, b resends pending
+    h.run_until_quiet()
+    assert plaintexts(b) == [b"to the absent"]
+    assert plaintexts(a) == [b"while offline"]
+    assert len(sent(b, "open")) == 2
+    assert not sent(b, "claim")[1:]  # released before the drop: no second claim
+    # The server replayed every message on the second open, b's own included.
+    replayed = [(m["side"], m["phase"]) for m in b.received if m["type"] == "message"]
+    assert replayed.count((a.core.side, "pake")) == 2
+    assert replayed.count((a.core.side, "version")) == 2
     # Replayed phases (pake, version) were not processed twice.
     assert len(b.got(core.GotVerifier)) == 1 and len(b.got(core.GotVersions)) == 1
+    close_all(h, a, b)
+    assert a.closed_result is None and b.closed_result is None
+    assert h.empty()
 
 
-def test_reconnect_before_claim_answer_claims_again(server):
-    a = Peer(server)
+def test_reconnect_before_claim_answer_claims_again(h):
+    a = h.client("a")
+    a.set_code("9-foo-bar")
+    h.deliver_through(a, UP, "claim")  # the claim lands...
+    a.disconnect()  # ...and its answer is lost
+    assert a.core.mailbox is None
     a.connect()
-    a.feed(a.core.set_code("9-foo-bar"))
-    a.disconnect()  # the claim's answer is lost
-    a.connect()
-    run(a)
-    claims = [m for s, m in server.log if m["type"] == "claim"]
-    assert len(claims) == 2
-    assert a.core.mailbox == "mb9"
+    h.run_until_quiet()
+    assert len(sent(a, "claim")) == 2
+    assert replies(a).count("claimed") == 1
+    assert a.core.mailbox == "mb1"  # the mailbox the first claim created
+    assert h.sides_per_nameplate() == {"9": 1}  # the same side claimed twice: one row
+    close_all(h, a)
+    assert isinstance(a.closed_result, LonelyError)
+    assert h.empty()
 
 
-def test_allocation_survives_a_reconnect(server):
-    a = Peer(server)
-    a.feed(a.core.allocate_code(3))  # not connected yet: allocate on connect
+def test_allocation_survives_a_reconnect(h):
+    a = h.client("a", connect=False)
+    a.allocate_code(3)  # not connected yet: allocate on connect
+    assert not a.got(core.GotCode)
     a.connect()
-    run(a)
+    h.run_until_quiet()
     (got,) = a.got(core.GotCode)
     nameplate, *words = got.code.split("-")
     assert nameplate.isdigit() and len(words) == 3
+    assert a.sent_types()[:3] == ["bind", "allocate", "claim"]
+    assert [m["nameplate"] for m in a.received if m["type"] == "allocated"] == [nameplate]
+    assert h.sides_per_nameplate() == {nameplate: 1}  # allocate claimed it for a
 
 
-def test_out_of_order_phases_are_delivered_in_order(server):
-    a, b = pair(server)
+def test_out_of_order_phases_are_delivered_in_order(h):
+    a, b = pair(h)
     key = b.core.key
+    # Hand-made frames: the real server relays a's phases in the order a sent them.
     for phase in ("2", "0", "1"):
         body = encrypt_data(derive_phase_key(key, a.core.side, phase), f"m{phase}".encode())
         b.feed(
@@ -283,96 +243,113 @@ def test_out_of_order_phases_are_delivered_in_order(server):
                 server_msg("message", side=a.core.side, phase=phase, body=body.hex())
             )
         )
-    assert [m.plaintext for m in b.got(core.GotMessage)] == [b"m0", b"m1", b"m2"]
+    assert plaintexts(b) == [b"m0", b"m1", b"m2"]
 
 
-def test_dilate_phases_have_their_own_order(server):
-    a, b = pair(server)
-    a.feed(a.core.send_dilate(b'{"type": "please"}'))
-    a.feed(a.core.send_message(b"app"))
-    a.feed(a.core.send_dilate(b'{"type": "connection-hints"}'))
-    run(a, b)
-    phases = [m["phase"] for s, m in server.log if s == a.core.side and m["type"] == "add"]
+def test_dilate_phases_have_their_own_order(h):
+    a, b = pair(h)
+    a.call("send_dilate", b'{"type": "please"}')
+    a.send_message(b"app")
+    a.call("send_dilate", b'{"type": "connection-hints"}')
+    h.run_until_quiet()
+    phases = [m["phase"] for m in sent(a, "add")]
     assert phases == ["pake", "version", "dilate-0", "0", "dilate-1"]
-    assert [d.plaintext for d in b.got(core.GotDilate)] == [
+    assert plaintexts(b, core.GotDilate) == [
         b'{"type": "please"}',
         b'{"type": "connection-hints"}',
     ]
+    assert plaintexts(b) == [b"app"]
 
 
-def test_tampered_message_is_a_wrong_code(server):
-    a, b = pair(server)
+def test_tampered_message_is_a_wrong_code(h):
+    a, b = pair(h)
     b.feed(
         b.core.frame_received(server_msg("message", side=a.core.side, phase="0", body=("00" * 40)))
     )
-    (closed,) = b.got(core.Closed) or [None]
-    assert closed is None  # waits for the server to confirm release/close
-    run(b)
-    (closed,) = b.got(core.Closed)
-    assert isinstance(closed.error, WrongCodeError)
+    assert not b.got(core.Closed)  # waits for the server to confirm the close
+    assert [m["type"] for m in b.queued(UP)] == ["close"]  # released already at pairing
+    h.run_until_quiet()
+    assert isinstance(b.closed_result, WrongCodeError)
+    assert [m["mood"] for m in sent(b, "close")] == ["scary"]
+    assert replies(b)[-1] == "closed"
+    close_all(h, a)
+    assert h.empty()
 
 
-def test_malformed_pake_is_a_wrong_code(server):
-    a = Peer(server)
-    a.connect()
-    a.feed(a.core.set_code("6-x-y"))
-    run(a)
+def test_malformed_pake_is_a_wrong_code(h):
+    a = h.client("a")
+    a.set_code("6-x-y")
+    h.run_until_quiet()
+    # A raw client claims the nameplate and adds a malformed PAKE to the mailbox.
+    x, mailbox = intruder(h, "6", "eeeeeeeeee")
     bad = json.dumps({"not_pake": "00"}).encode()
-    a.feed(
-        a.core.frame_received(
-            server_msg("message", side="eeeeeeeeee", phase="pake", body=bad.hex())
-        )
-    )
-    run(a)
-    assert isinstance(a.got(core.Closed)[0].error, WrongCodeError)
+    x.send_raw("add", phase="pake", body=bad.hex())
+    h.run_until_quiet()
+    assert isinstance(a.closed_result, WrongCodeError)
+    assert [m["mood"] for m in sent(a, "close")] == ["scary"]
+    x.send_raw("release", nameplate="6")
+    x.send_raw("close", mailbox=mailbox, mood="scary")
+    h.run_until_quiet()
+    assert h.empty()
 
 
-def test_reflected_pake_is_rejected(server):
-    a = Peer(server)
-    a.connect()
-    a.feed(a.core.set_code("6-x-y"))
-    run(a)
-    own = next(m for s, m in server.log if m["type"] == "add" and m["phase"] == "pake")
-    a.feed(
-        a.core.frame_received(
-            server_msg("message", side="ffffffffff", phase="pake", body=own["body"])
-        )
-    )
-    run(a)
-    assert isinstance(a.got(core.Closed)[0].error, WrongCodeError)
+def test_reflected_pake_is_rejected(h):
+    a = h.client("a")
+    a.set_code("6-x-y")
+    h.run_until_quiet()
+    (own,) = [m for m in sent(a, "add") if m["phase"] == "pake"]
+    # A raw client with another side adds a's own PAKE message back to the mailbox.
+    x, mailbox = intruder(h, "6", "ffffffffff")
+    x.send_raw("add", phase="pake", body=own["body"])
+    h.run_until_quiet()
+    assert isinstance(a.closed_result, WrongCodeError)
+    assert [m["mood"] for m in sent(a, "close")] == ["scary"]
+    x.send_raw("release", nameplate="6")
+    x.send_raw("close", mailbox=mailbox, mood="scary")
+    h.run_until_quiet()
+    assert h.empty()
 
 
-def test_crowded_claim_gives_crowded_error(server):
-    a, b = Peer(server), Peer(server)
-    for p in (a, b):
-        p.connect()
-        p.feed(p.core.set_code("8-aa-bb"))
-    c = Peer(server)
-    c.connect()
-    c.feed(c.core.set_code("8-aa-bb"))
-    run(c)
-    (closed,) = c.got(core.Closed)
-    assert isinstance(closed.error, CrowdedError)
-    assert "new code" in str(closed.error) and "8" in str(closed.error)
+def holders(h: Harness, code: str) -> tuple[Client, Client]:
+    """Two clients that meet on ``code`` and keep their claims (keep_nameplate).
+
+    On the real server a third claim that lands before the holders opened the
+    mailbox also robs them (test_mailbox_harness.py, the robbed winner): the
+    holders finish their exchange first.
+    """
+    a, b = h.client("a", keep_nameplate=True), h.client("b", keep_nameplate=True)
+    a.set_code(code)
+    b.set_code(code)
+    h.run_until_quiet()
+    assert a.got(core.GotVerifier) and b.got(core.GotVerifier)
+    return a, b
+
+
+def test_crowded_claim_gives_crowded_error(h):
+    a, b = holders(h, "8-aa-bb")
+    c = h.client("c")
+    c.set_code("8-aa-bb")
+    h.run_until_quiet()
+    assert isinstance(c.closed_result, CrowdedError)
+    assert "new code" in str(c.closed_result) and "8" in str(c.closed_result)
+    errors = [(m["error"], m["orig"]["type"]) for m in c.received if m["type"] == "error"]
+    assert errors == [("crowded", "claim")]
     # The server recorded c's side before refusing it: c gives it back, and has
-    # no mailbox to close (tests/test_mailbox_harness.py shows it on the real server).
-    sent = [m["type"] for s, m in server.log if s == c.core.side]
-    assert sent == ["bind", "claim", "release"]
+    # no mailbox to close (tests/test_mailbox_harness.py has the server's side).
+    assert c.sent_types() == ["bind", "claim", "release"]
+    assert replies(c)[-1] == "released"
+    assert not a.got(core.Closed) and not b.got(core.Closed)  # the holders go on
 
 
-def test_crowded_claim_is_released_even_with_keep_nameplate(server):
-    for _ in range(2):
-        p = Peer(server)
-        p.connect()
-        p.feed(p.core.set_code("8-aa-bb"))
-    c = Peer(server, keep_nameplate=True)
-    c.connect()
-    c.feed(c.core.set_code("8-aa-bb"))
-    run(c)
-    assert isinstance(c.got(core.Closed)[0].error, CrowdedError)
-    assert [
-        m["nameplate"] for s, m in server.log if s == c.core.side and m["type"] == "release"
-    ] == ["8"]
+def test_crowded_claim_is_released_even_with_keep_nameplate(h):
+    a, b = holders(h, "8-aa-bb")
+    c = h.client("c", keep_nameplate=True)
+    c.set_code("8-aa-bb")
+    h.run_until_quiet()
+    assert isinstance(c.closed_result, CrowdedError)
+    assert [m["nameplate"] for m in sent(c, "release")] == ["8"]
+    close_all(h, a, b)
+    assert h.sides_per_nameplate() == {}  # c's release let the holders' free it
 
 
 def test_server_error_closes_errory():
@@ -421,44 +398,45 @@ def test_unknown_server_message_type_is_ignored():
     assert not c.closed
 
 
-def test_close_before_a_peer_is_lonely(server):
-    a = Peer(server)
-    a.connect()
-    a.feed(a.core.set_code("2-aa-bb"))
-    run(a)
-    a.feed(a.core.close())
-    run(a)
-    (closed,) = a.got(core.Closed)
-    assert isinstance(closed.error, LonelyError)
-    assert [m["mood"] for _, m in server.log if m["type"] == "close"] == ["lonely"]
+def test_close_before_a_peer_is_lonely(h):
+    a = h.client("a")
+    a.set_code("2-aa-bb")
+    h.run_until_quiet()
+    a.close()
+    h.run_until_quiet()
+    assert isinstance(a.closed_result, LonelyError)
+    assert [m["mood"] for m in sent(a, "close")] == ["lonely"]
+    assert replies(a)[-2:] == ["released", "closed"]
+    assert h.empty()
 
 
-def test_close_while_disconnected_finishes_after_reconnect(server):
-    a, _b = pair(server)
+def test_close_while_disconnected_finishes_after_reconnect(h):
+    a, b = pair(h)
     a.disconnect()
-    a.feed(a.core.close())
+    a.close()
     assert not a.got(core.Closed)
     a.connect()
-    run(a)
-    (closed,) = a.got(core.Closed)
-    assert closed.error is None
-    assert [m["mood"] for s, m in server.log if s == a.core.side and m["type"] == "close"] == [
-        "happy"
-    ]
+    h.run_until_quiet()
+    assert a.closed_result is None
+    assert [m["mood"] for m in sent(a, "close")] == ["happy"]
+    assert a.sent_types()[-2:] == ["bind", "close"]  # released before the drop
+    close_all(h, b)
+    assert h.empty()
 
 
-def test_close_after_a_reconnect_still_delivers_unechoed_messages(server):
-    a, b = pair(server)
+def test_close_after_a_reconnect_still_delivers_unechoed_messages(h):
+    a, b = pair(h)
     a.disconnect()
-    a.feed(a.core.send_message(b"last words"))  # never reaches the server...
-    a.feed(a.core.close())  # ...before the close, which waits for a connection
+    a.send_message(b"last words")  # never reaches the server...
+    a.close()  # ...before the close, which waits for a connection
     a.connect()
-    run(a, b)
-    (closed,) = a.got(core.Closed)
-    assert closed.error is None
-    assert [m.plaintext for m in b.got(core.GotMessage)] == [b"last words"]
-    sent = [m["type"] for s, m in server.log if s == a.core.side]
-    assert sent.index("add", sent.index("bind", 2)) < sent.index("close")
+    h.run_until_quiet()
+    assert a.closed_result is None
+    assert plaintexts(b) == [b"last words"]
+    types = a.sent_types()
+    assert types.index("add", types.index("bind", 2)) < types.index("close")
+    close_all(h, b)
+    assert h.empty()
 
 
 def test_close_with_nothing_claimed_is_immediate():
@@ -467,7 +445,7 @@ def test_close_with_nothing_claimed_is_immediate():
     assert of_type(events, core.Closed) and of_type(events, core.StopConnection)
 
 
-def test_api_misuse_raises_typed_errors(server):
+def test_api_misuse_raises_typed_errors():
     c = core.WormholeCore(APPID)
     c.set_code("1-aa-bb")
     with pytest.raises(OnlyOneCodeError):
@@ -481,11 +459,19 @@ def test_api_misuse_raises_typed_errors(server):
         c.send_message(b"x")
 
 
-def test_list_and_ping(server):
-    a = Peer(server)
-    a.feed(a.core.list_nameplates())  # before connecting: sent on connect
+def test_list_and_ping(h):
+    a = h.client("a", connect=False)
+    a.call("list_nameplates")  # before connecting: sent on connect
     a.connect()
-    a.feed(a.core.ping(7))
-    run(a)
+    a.call("ping", 7)
+    h.run_until_quiet()
+    assert a.sent_types() == ["bind", "list", "ping"]
     assert a.got(core.GotNameplates)[0].nameplates == ()
     assert a.got(core.GotPong)[0].ping == 7
+    # With a nameplate in use, the list names it.
+    b = h.client("b")
+    b.set_code("5-aa-bb")
+    h.run_until_quiet()
+    a.call("list_nameplates")
+    h.run_until_quiet()
+    assert a.got(core.GotNameplates)[-1].nameplates == ("5",)
