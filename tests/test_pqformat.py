@@ -222,8 +222,8 @@ def test_parquet_goes_only_to_receivers_that_list_it_and_schemas_it_keeps() -> N
     assert Accept.decode(json.loads(Accept(2, ("parquet",)).encode())["dataset-accept"]) == Accept(
         2, ("parquet",)
     )
-    assert Accept.decode({"lanes": 2}) == Accept(2, ())
-    assert Accept.decode({"lanes": 2, "formats": "parquet"}) == Accept(2, ())
+    assert Accept.decode({"lanes": 2, "rendezvous": 2}) == Accept(2, ())
+    assert Accept.decode({"lanes": 2, "rendezvous": 2, "formats": "parquet"}) == Accept(2, ())
     # The offer: older receivers see zstd, ours see parquet.
     body = json.loads(Offer("t", t.schema, "parquet").encode())["dataset-offer"]
     assert body["compression"] == "zstd" and Offer.decode(body).compression == "parquet"
