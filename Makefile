@@ -6,7 +6,7 @@ VENV   ?= .venv
 PY      = $(VENV)/bin/python
 STAMP   = $(VENV)/.installed-$(shell cat pyproject.toml | cksum | cut -d' ' -f1)
 
-.PHONY: test test-oldest venv-oldest demo lint format check-java venv bytecode clean
+.PHONY: test check test-oldest venv-oldest demo lint format check-java venv bytecode clean
 
 venv: $(STAMP)
 
@@ -27,9 +27,21 @@ bytecode: venv
 check-java:
 	@sh conf/check-java.sh
 
+# The suite runs on TEST_WORKERS pytest-xdist workers: many tests wait on timers
+# and networks, so 3 workers keep 2 cores busy (4 overloaded them: Spark clusters
+# took 4x longer to start). loadgroup keeps the namespace clusters' tests on one
+# worker (one set of clusters at a time) and Spark Connect's on one (port 15002).
+TEST_WORKERS ?= 3
+
 test: venv bytecode check-java
 	$(PY) -m ruff check .
-	$(PY) -m pytest
+	$(PY) -m pytest -n $(TEST_WORKERS) --dist loadgroup
+
+# The inner loop: lint and the tests that need no Spark, no server processes and
+# no processes of their own (about a minute).
+check: venv
+	$(PY) -m ruff check .
+	$(PY) -m pytest -n 2 -m "not integration" --durations=10
 
 # The oldest PySpark the [spark] extra allows, in its own venv: .[test] brings
 # the newest PySpark, so the constraint keeps pyspark at 4.0.x while pip

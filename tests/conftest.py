@@ -5,16 +5,73 @@ from __future__ import annotations
 import os
 import sys
 from collections.abc import Callable, Iterator
+from typing import Any
 
 import pytest
 
-pytest_plugins = ["spark_dilation.testing.fixtures"]
+pytest_plugins = [
+    "spark_dilation.testing.fixtures",
+    "spark_dilation.testing.leftovers",
+    "spark_dilation.testing.live_failures",
+]
 
 # With no relay given, a transfer also dials the public transit relay (the
 # default). Tests run offline: those that want a relay pass their own
 # (the relay_url fixture); the rest, and every process they start (CLI, Spark
 # workers), get none. tests/test_cli_habits.py unsets it to test the default.
 os.environ.setdefault("SPARK_DILATION_RELAY", "none")
+
+# Every JVM of the run (Spark drivers, executors, standalone daemons) is short-lived
+# and small: the C1 compiler alone and the serial collector cut its start-up CPU
+# (measured: a two-application Spark transfer test 65 s -> 50 s), which is what a
+# 2-core machine running the suite on several workers runs out of. Each JVM
+# notes "Picked up JAVA_TOOL_OPTIONS" on its stderr.
+os.environ.setdefault("JAVA_TOOL_OPTIONS", "-XX:TieredStopAtLevel=1 -XX:+UseSerialGC")
+
+# `make check` runs the tests marked neither way: no Spark, no server processes,
+# no processes of their own. A test is "integration" if it uses one of these
+# fixtures or lives in one of these modules (their tests start CLIs, servers,
+# Spark applications, namespace machines or the reference peer themselves).
+INTEGRATION_FIXTURES = frozenset(
+    {"spark", "net_clusters", "wormhole_servers", "mailbox_url", "relay_url", "fresh_servers"}
+)
+INTEGRATION_MODULES = frozenset(
+    {
+        "test_cancel",
+        "test_cli",
+        "test_cli_dataset",
+        "test_cli_habits",
+        "test_cli_progress_reconnect",
+        "test_compose",
+        "test_deadlines",
+        "test_demo",
+        "test_dilation_interop",
+        "test_dilation_redial",
+        "test_install",
+        "test_lane_registry",
+        "test_multimachine",
+        "test_netcluster",
+        "test_notebook_api",
+        "test_notebooks",
+        "test_receive_errors",
+        "test_sender_host",
+        "test_spark_connect",
+        "test_spark_files",
+        "test_spark_locality",
+        "test_spark_transfer",
+        "test_spark_tuning",
+        "test_testing_helpers",
+        "test_transit_interop",
+        "test_wormhole_interop",
+    }
+)
+
+
+def pytest_collection_modifyitems(items: list[pytest.Item]) -> None:
+    for item in items:
+        module = item.module.__name__.rsplit(".", 1)[-1] if item.module else ""
+        if module in INTEGRATION_MODULES or INTEGRATION_FIXTURES & set(item.fixturenames):
+            item.add_marker(pytest.mark.integration)
 
 
 @pytest.fixture(scope="session")
@@ -39,12 +96,30 @@ def spark() -> Iterator:
     try:
         yield session
     finally:
-        session.stop()
+        _stop_with_jvm(session)
         for key, value in saved.items():
             if value is None:
                 os.environ.pop(key, None)
             else:
                 os.environ[key] = value
+
+
+def _stop_with_jvm(session: Any) -> None:
+    """Stop the session and its JVM: the JVM outlives ``stop()`` until this process
+    exits, which would be after the leftover check of a run without xdist."""
+    from pyspark import SparkContext
+
+    gateway = SparkContext._gateway
+    session.stop()
+    if gateway is None:
+        return
+    proc = getattr(gateway, "proc", None)
+    gateway.shutdown()
+    SparkContext._gateway = None
+    SparkContext._jvm = None
+    if proc is not None:
+        proc.stdin.close()  # the JVM exits at EOF on its stdin
+        proc.wait(timeout=60)
 
 
 @pytest.fixture

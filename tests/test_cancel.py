@@ -33,11 +33,12 @@ import numpy as np
 import pyarrow as pa
 import pyarrow.parquet as pq
 import pytest
-from test_cli import TIMEOUT, Result, Running, assert_failed, ours
+from test_cli import TIMEOUT, Result, Running, assert_failed, ours, wait_while_running
 from test_cli_dataset import procs, receive_cmd, send_cmd  # noqa: F401 (procs)
 
 from spark_dilation.errors import Interrupted, TransferCancelledError
 from spark_dilation.testing import TcpProxy
+from spark_dilation.testing.waiting import wait_until
 from spark_dilation.transfer import TransferOptions, receive_dataset
 from spark_dilation.transfer.api import DatasetSender
 from spark_dilation.transfer.staging import TransferAbortedError
@@ -83,15 +84,6 @@ def staging(tmp_path: Path, monkeypatch: Any) -> Path:
 
 def staged_bytes(root: Path) -> bool:
     return any(p.stat().st_size > 0 for p in root.glob("*/lane-*/.*.partial"))
-
-
-def wait_until(what: str, ready: Callable[[], bool], *running: Running) -> None:
-    deadline = time.monotonic() + TIMEOUT
-    while not ready():
-        for r in running:
-            assert r.proc.poll() is None, f"exited before {what}:\n{r.finish().describe()}"
-        assert time.monotonic() < deadline, f"no {what} within {TIMEOUT:g} s"
-        time.sleep(0.01)
 
 
 def end_times(since: float, **running: Running) -> dict[str, float]:
@@ -143,7 +135,7 @@ def start_mid_transfer(
     sender = procs(send_cmd(mailbox_url, relay, *flags, str(source)))
     code = sender.wait_for_code()
     receiver = procs(receive_cmd(mailbox_url, relay, "--no-listen", code, "-o", str(out)))
-    wait_until("staged bytes", lambda: staged_bytes(staging), sender, receiver)
+    wait_while_running("staged bytes", lambda: staged_bytes(staging), sender, receiver)
     return sender, receiver
 
 
@@ -331,9 +323,7 @@ def test_api_sender_cancel_tells_the_receiver(
     with pytest.raises(TransferAbortedError) as got:
         receive_dataset(sender.code, tmp_path / "out", lanes=2, **api_opts)
     received = time.monotonic() - box["cancelled"]
-    deadline = time.monotonic() + TIMEOUT
-    while "ended" not in box and time.monotonic() < deadline:
-        time.sleep(0.01)
+    wait_until("the sender to end", lambda: "ended" in box, TIMEOUT, interval=0.01)
     print(f"api cancel: receiver {received:.2f} s, sender {box['ended'] - box['cancelled']:.2f} s")
     assert str(got.value) == "the sender cancelled the transfer (the test)"
     assert isinstance(box["error"], TransferCancelledError), box
@@ -381,9 +371,7 @@ def test_api_ctrl_c_in_receive_dataset_tells_the_sender(
     with pytest.raises(KeyboardInterrupt) as got:
         receive_dataset(sender.code, tmp_path / "out", lanes=2, **api_opts)
     received = time.monotonic() - box["pressed"]
-    deadline = time.monotonic() + TIMEOUT
-    while "ended" not in box and time.monotonic() < deadline:
-        time.sleep(0.01)
+    wait_until("the sender to end", lambda: "ended" in box, TIMEOUT, interval=0.01)
     print(f"api Ctrl-C: receiver {received:.2f} s, sender {box['ended'] - box['pressed']:.2f} s")
     assert isinstance(got.value, Interrupted)
     assert str(got.value) == "cancelled (Ctrl-C); the sender was told"

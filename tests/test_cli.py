@@ -32,6 +32,7 @@ from urllib.parse import urlsplit
 import pytest
 
 from spark_dilation.testing import ServerProcess
+from spark_dilation.testing.waiting import wait_until
 from spark_dilation.transit.offers import APPID
 
 BIN = Path(sys.executable).parent
@@ -177,6 +178,16 @@ class Running:
         if self.proc.poll() is None:
             self.proc.kill()
         self.proc.wait(TIMEOUT)
+
+
+def wait_while_running(what: str, ready: Callable[[], object], *running: Running) -> None:
+    """Wait for ``ready``; fail at once, with its output, if one of ``running`` exits first."""
+
+    def exited() -> str | None:
+        gone = [r for r in running if r.proc.poll() is not None]
+        return f"exited first:\n{gone[0].finish().describe()}" if gone else None
+
+    wait_until(what, ready, TIMEOUT, interval=0.01, stop_if=exited)
 
 
 @pytest.fixture

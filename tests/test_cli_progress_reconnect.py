@@ -18,7 +18,6 @@ from __future__ import annotations
 import os
 import re
 import signal
-import time
 from collections.abc import Callable, Iterator
 from pathlib import Path
 from typing import Any
@@ -27,7 +26,7 @@ import numpy as np
 import pyarrow as pa
 import pyarrow.parquet as pq
 import pytest
-from test_cli import TIMEOUT, Running, assert_ok
+from test_cli import Running, assert_ok, wait_while_running
 from test_cli_dataset import json_lines, procs, receive_cmd, send_cmd  # noqa: F401 (procs)
 from test_dilation_redial import Restartable, relay_url
 
@@ -61,16 +60,6 @@ def source(folder: Path) -> list[pa.Table]:
         pq.write_table(table, folder / f"part-{part:05d}.parquet")
         tables.append(table)
     return tables
-
-
-def wait_for(what: str, ready: Callable[[], bool], *running: Running) -> None:
-    """Poll ``ready`` until true; fail if a command exits first or after TIMEOUT (a hang guard)."""
-    deadline = time.monotonic() + TIMEOUT
-    while not ready():
-        for r in running:
-            assert r.proc.poll() is None, f"{r.args[3]} exited before {what}:\n{r.finish()}"
-        assert time.monotonic() < deadline, f"no {what} within {TIMEOUT:g} s"
-        time.sleep(0.01)
 
 
 def staged(root: Path, pattern: str) -> list[Path]:
@@ -107,7 +96,7 @@ def test_relay_killed_mid_transfer_shows_reconnects_in_json_and_plain_output(
     )
 
     # Rows are arriving: freeze the relay at once, so nothing more moves until it dies.
-    wait_for(
+    wait_while_running(
         "staged bytes",
         lambda: any(p.stat().st_size > 0 for p in staged(tmp, ".*.partial")),
         sender,

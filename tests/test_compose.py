@@ -17,7 +17,6 @@ import signal
 import socket
 import subprocess
 import sys
-import time
 import urllib.request
 import uuid
 from collections.abc import Iterator
@@ -29,6 +28,7 @@ import pytest
 import yaml
 
 import spark_dilation
+from spark_dilation.testing.waiting import wait_until
 
 ROOT = Path(__file__).resolve().parent.parent
 BIN = Path(sys.executable).parent
@@ -177,20 +177,28 @@ def test_the_compose_file_has_the_services_the_readme_describes():
 
 def test_each_worker_registers_with_its_own_master(services):
     spec, remap, procs = services
-    deadline = time.monotonic() + STARTUP
+
+    def exited() -> str | None:
+        gone = [
+            f"service {n} exited with {p.returncode}"
+            for n, p in procs.items()
+            if p.poll() is not None
+        ]
+        return gone[0] if gone else None
+
     for cluster in ("a", "b"):
         master = spec["services"][f"spark-{cluster}-master"]
         webui = remap.port(master["hostname"], 8080)
         spark_port = remap.port(master["hostname"], 7077)
-        state = None
-        while time.monotonic() < deadline:
-            for name, proc in procs.items():
-                assert proc.poll() is None, f"service {name} exited with {proc.returncode}"
+
+        def one_alive(webui: int = webui) -> bool:
             state = master_state(webui)
-            if state and [w for w in state["workers"] if w["state"] == "ALIVE"]:
-                break
-            time.sleep(1)
-        assert state is not None, f"the master of cluster {cluster} never answered"
+            return bool(state and [w for w in state["workers"] if w["state"] == "ALIVE"])
+
+        what = f"an ALIVE worker at the master of cluster {cluster}"
+        wait_until(what, one_alive, STARTUP, interval=0.5, stop_if=exited)
+        state = master_state(webui)
+        assert state is not None, f"the master of cluster {cluster} stopped answering"
         alive = [w for w in state["workers"] if w["state"] == "ALIVE"]
         assert len(alive) == 1, state
         assert state["url"] == f"spark://127.0.0.1:{spark_port}"
@@ -202,15 +210,19 @@ def test_the_wormhole_service_carries_a_dataset(services):
     env = remap.environment(spec["services"]["spark-a-worker"])
     mailbox, relay = env["SPARK_DILATION_MAILBOX"], env["SPARK_DILATION_RELAY"]
     table = pa.table({"id": list(range(1000)), "word": [f"w{i}" for i in range(1000)]})
-    deadline = time.monotonic() + STARTUP
-    while True:  # the server process may still be starting
+
+    def listening() -> bool:  # the server process may still be starting
         try:
             with socket.create_connection(("127.0.0.1", int(mailbox.rsplit(":", 1)[1][:-3]))):
-                break
+                return True
         except OSError:
-            assert procs["wormhole"].poll() is None, "the wormhole service exited"
-            assert time.monotonic() < deadline, "the mailbox never listened"
-            time.sleep(0.5)
+            return False
+
+    wormhole = procs["wormhole"]
+    wait_until(
+        "the mailbox to listen", listening, STARTUP, interval=0.5,
+        stop_if=lambda: "the wormhole service exited" if wormhole.poll() is not None else None,
+    )  # fmt: skip
     handle = spark_dilation.send(table, mailbox=mailbox, relay=relay, no_listen=True)
     got = spark_dilation.receive(None, handle.code, mailbox=mailbox, relay=relay, no_listen=True)
     report = handle.wait(STARTUP)
@@ -360,15 +372,19 @@ def test_the_jupyter_service_serves_the_tested_notebooks(tmp_path):
     api = Jupyter(remap.port("jupyter", 8888))
     kernel_pid = None
     try:
-        deadline = time.monotonic() + STARTUP
-        while True:
-            assert proc.poll() is None, (tmp_path / "jupyter.log").read_text()[-3000:]
+
+        def answers() -> bool:
             try:
-                status = api.call("GET", "/api/status")
-                break
+                return api.call("GET", "/api/status") is not None
             except OSError:
-                assert time.monotonic() < deadline, "JupyterLab never answered"
-                time.sleep(0.5)
+                return False
+
+        wait_until(
+            "JupyterLab to answer", answers, STARTUP, interval=0.5,
+            stop_if=lambda: "JupyterLab exited" if proc.poll() is not None else None,
+            details=lambda: (tmp_path / "jupyter.log").read_text()[-3000:],
+        )  # fmt: skip
+        status = api.call("GET", "/api/status")
         assert status is not None and "started" in status
         specs = api.call("GET", "/api/kernelspecs")
         assert specs is not None

@@ -20,6 +20,7 @@ import pytest
 from test_cli import Running, last_error_line, new_code, ours
 
 from spark_dilation.errors import PeerTimeoutError, TransferError, WrongCodeError
+from spark_dilation.testing.waiting import wait_until
 from spark_dilation.transfer.options import TransferOptionError, TransferOptions
 
 
@@ -206,7 +207,7 @@ def test_sender_host_works_under_a_tmpdir_longer_than_the_socket_limit(
     descriptor, and tasks hand it their partitions as usual."""
     import tempfile
 
-    from test_sender_host import agree, table, wait_until
+    from test_sender_host import agree, table
 
     from spark_dilation.transfer.hostlink import (
         deliver_manifest_via_host,
@@ -228,7 +229,7 @@ def test_sender_host_works_under_a_tmpdir_longer_than_the_socket_limit(
 
     started = time.monotonic()
     assert start_sender_host(spec)
-    wait_until(socket_path(spec).exists, 60, "the sender host's socket")
+    wait_until("the sender host's socket", socket_path(spec).exists, 60)
     assert socket_path(spec).stat().st_mode & 0o077 == 0  # still this user's alone
     committed = []
     for p in range(2):
@@ -244,7 +245,7 @@ def test_sender_host_works_under_a_tmpdir_longer_than_the_socket_limit(
     print(f"long socket path: sent through the host in {time.monotonic() - started:.1f} s")
     assert "error" not in received, received.get("error")
     assert received["result"].table.sort_by("id").equals(pa.concat_tables(parts))
-    wait_until(lambda: not host_dir(spec).exists(), 60, "the sender host to exit")
+    wait_until("the sender host to exit", lambda: not host_dir(spec).exists(), 60)
 
 
 # --- spark-dilation cleanup ------------------------------------------------------------------

@@ -23,6 +23,7 @@ from typing import Any
 import pyarrow as pa
 import pytest
 
+from spark_dilation.testing.waiting import wait_until
 from spark_dilation.transfer import TransferOptions, send_dataset
 from spark_dilation.transfer.lane import CannotHealError
 from spark_dilation.transfer.laneread import read_lane, start_lanes
@@ -230,14 +231,12 @@ def test_any_machine_reads_any_lane_until_every_copy_is_gone(
         owner.wait()
         for pid in pids:
             wait_gone(pid, 15)
-        deadline = time.monotonic() + 15
-        while time.monotonic() < deadline:
-            left = [p for p in tmp_path.rglob("*") if p.is_file() and "lane-" in str(p)]
-            left = [p for p in left if not p.parent.name.startswith("lane-0")]
-            if not left:
-                break
-            time.sleep(0.2)
-        assert not left, left
+
+        def left() -> list[Path]:
+            files = [p for p in tmp_path.rglob("*") if p.is_file() and "lane-" in str(p)]
+            return [p for p in files if not p.parent.name.startswith("lane-0")]
+
+        wait_until("the lanes' staging to go", lambda: not left(), 15, details=lambda: str(left()))
 
         # A read task that starts a host after the application ended (its workers not
         # yet killed) sees why, and that host leaves with the task's worker, not
@@ -311,10 +310,9 @@ def test_a_lane_the_registry_receives_is_received_again_when_its_receiver_dies(
         task = threading.Thread(target=read_lane0, daemon=True)
         task.start()
         lane1 = LaneStaging(driver.options.staging_root, spec.transfer_id, 1)
-        deadline = time.monotonic() + 60
-        while not list(lane1.dir.glob(".p*.partial")):
-            assert time.monotonic() < deadline, "the registry did not receive lane 1"
-            time.sleep(0.1)
+        wait_until(
+            "the registry to receive lane 1", lambda: list(lane1.dir.glob(".p*.partial")), 60
+        )
         first = host_pid(driver, 1)
         os.kill(first, signal.SIGKILL)
         killed = time.monotonic()

@@ -23,10 +23,13 @@ import pytest
 
 from spark_dilation.testing.netcluster import Cluster, Machine, NetClusters
 from spark_dilation.testing.stepped_reader import SteppedReader
+from spark_dilation.testing.waiting import wait_until
 
 ROWS = 200_000
 # Two Spark applications per test on a 2-core machine: more than the suite's default.
-pytestmark = pytest.mark.timeout(900)
+# One xdist worker runs every test on the shared namespace clusters (one set of
+# clusters per run; their tests go first, being the longest unit).
+pytestmark = [pytest.mark.timeout(900), pytest.mark.xdist_group("net_clusters")]
 PY = sys.executable
 
 
@@ -122,14 +125,17 @@ def _receive_report(cluster: Cluster, timeout: float = 30) -> dict[str, Any]:
     """The receive report the lane registry logged on the reader's driver machine."""
     from spark_dilation.transfer.readerhost import RECEIVE_REPORT_PREFIX
 
-    deadline = time.monotonic() + timeout
-    while True:
+    def report() -> dict[str, Any] | None:
         for log in (cluster.driver.tmp / "spark-dilation").glob("registry-*/host.log"):
             for line in log.read_text(errors="replace").splitlines():
                 if RECEIVE_REPORT_PREFIX in line:
                     return json.loads(line.split(RECEIVE_REPORT_PREFIX, 1)[1])
-        assert time.monotonic() < deadline, "the registry logged no receive report"
-        time.sleep(0.5)
+        return None
+
+    wait_until("the registry's receive report in its log", report, timeout, interval=0.2)
+    found = report()
+    assert found is not None
+    return found
 
 
 def _kill_jvms(cluster: Cluster, machine: Machine) -> None:
@@ -185,22 +191,20 @@ def _ended(proc: Any, timeout: float, nc: NetClusters) -> int:
 def _wait_for_sender_host_exit(nc: NetClusters, limit: float = 30) -> None:
     """Once its application has ended, the sender host tells the lanes and leaves; it
     does not wait for the dead application's tasks (that took 30 s more)."""
-    deadline = time.monotonic() + limit
-    while _helpers(nc.a, "senderhost"):
-        assert time.monotonic() < deadline, (
-            f"the sender host did not exit within {limit} s:\n{_helper_logs(nc.a)}"
-        )
-        time.sleep(0.2)
+    wait_until(
+        "the sender host to exit",
+        lambda: not _helpers(nc.a, "senderhost"),
+        limit,
+        interval=0.2,
+        details=lambda: _helper_logs(nc.a),
+    )
 
 
-def _wait_until(what: str, predicate: Any, timeout: float) -> float:
-    """Seconds until ``predicate()`` held; fails after ``timeout``."""
-    started = time.monotonic()
-    while not predicate():
-        elapsed = time.monotonic() - started
-        assert elapsed < timeout, f"{what}: not within {timeout} s"
-        time.sleep(0.2)
-    return time.monotonic() - started
+def _in_flight(cluster: Cluster) -> bool:
+    """A partition is mid-stream on one of the cluster's machines (its header arrived)."""
+    return any(
+        list((m.tmp / "spark-dilation").glob("*/lane-*/.p*.partial")) for m in cluster.machines
+    )
 
 
 def _staged_files(cluster: Cluster) -> list[str]:
@@ -294,10 +298,7 @@ def test_every_action_exact_while_lanes_move_between_machines(net_clusters: NetC
     # 7. The application ends: every lane host and the registry leave, with their staging.
     assert reader.step("stop")["action"] == "stop"
     reader.proc.wait(120)
-    deadline = time.monotonic() + 30
-    while _lane_hosts(nc.b) and time.monotonic() < deadline:
-        time.sleep(0.5)
-    assert not _lane_hosts(nc.b), _lane_hosts(nc.b)
+    wait_until("the lane hosts to exit", lambda: not _lane_hosts(nc.b), 30, interval=0.2)
     alive = [m for m in nc.b.machines if m.pids() or m is nc.b.driver]
     left = [
         str(p)
@@ -350,9 +351,9 @@ def test_writer_application_killed_mid_transfer(net_clusters: NetClusters) -> No
     reader = Reader(nc, "9-writer-killed", "wkill")
     assert "error" not in reader.loaded()
     reader.start("count")
-    _wait_until("lanes receiving", lambda: len(_helpers(nc.b, "lanehost")) >= 2, 240)
-    _wait_until("the sender host", lambda: _helpers(nc.a, "senderhost"), 60)
-    time.sleep(3)  # the partitions are mid-stream (paused after their headers)
+    wait_until("lanes receiving", lambda: len(_helpers(nc.b, "lanehost")) >= 2, 240)
+    wait_until("the sender host", lambda: _helpers(nc.a, "senderhost"), 60)
+    wait_until("a partition mid-stream (paused after its header)", lambda: _in_flight(nc.b), 120)
     _kill_application(writer)
     killed = time.monotonic()
     failed = reader.result(120)
@@ -362,7 +363,7 @@ def test_writer_application_killed_mid_transfer(net_clusters: NetClusters) -> No
     _wait_for_sender_host_exit(nc)
     assert reader.step("stop")["action"] == "stop"
     reader.proc.wait(120)
-    _wait_until("the lane hosts to exit", lambda: not _lane_hosts(nc.b), 30)
+    wait_until("the lane hosts to exit", lambda: not _lane_hosts(nc.b), 30)
     assert not _staged_files(nc.b), _staged_files(nc.b)
     assert not [p for p in _staged_files(nc.a) if "send-" in p], _staged_files(nc.a)
 
@@ -379,10 +380,12 @@ def test_reader_application_killed_mid_transfer(net_clusters: NetClusters) -> No
     reader = Reader(nc, "10-reader-killed", "rkill")
     assert "error" not in reader.loaded()
     reader.start("count")
-    _wait_until("lanes receiving", lambda: len(_helpers(nc.b, "lanehost")) >= 2, 240)
+    wait_until("lanes receiving", lambda: len(_helpers(nc.b, "lanehost")) >= 2, 240)
+    # Not an event: the senders' 10 s pause (kept short, the tasks sleep through it) can be
+    # over before a poll sees its partial file on a loaded machine.
     time.sleep(3)
     _kill_application(reader.proc)
-    took = _wait_until("the reader's lane hosts to exit", lambda: not _lane_hosts(nc.b), 30)
+    took = wait_until("the reader's lane hosts to exit", lambda: not _lane_hosts(nc.b), 30)
     assert took < 15, f"lane hosts outlived the reading application by {took:.0f} s"
     assert not _staged_files(nc.b), _staged_files(nc.b)
     started = time.monotonic()
@@ -420,7 +423,7 @@ def test_worker_killed_mid_transfer(net_clusters: NetClusters) -> None:
                 return m
         return None
 
-    _wait_until("a partition in flight on a worker", lambda: receiving() is not None, 240)
+    wait_until("a partition in flight on a worker", lambda: receiving() is not None, 240)
     victim = receiving()
     assert victim is not None
     victim.kill_all()
@@ -432,4 +435,4 @@ def test_worker_killed_mid_transfer(net_clusters: NetClusters) -> None:
     assert sent is not None and got.get("digest") == sent["digest"], (got, sent)
     assert reader.step("stop")["action"] == "stop"
     reader.proc.wait(120)
-    _wait_until("the lane hosts to exit", lambda: not _lane_hosts(nc.b), 30)
+    wait_until("the lane hosts to exit", lambda: not _lane_hosts(nc.b), 30)

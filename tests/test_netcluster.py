@@ -23,6 +23,11 @@ from spark_dilation.testing.netcluster import (
     netns_available,
     start_net_clusters,
 )
+from spark_dilation.testing.waiting import wait_until
+
+# On the worker that runs the shared clusters' tests, after them: two sets of
+# namespace clusters at once would double the JVMs on the machine.
+pytestmark = pytest.mark.xdist_group("net_clusters")
 
 DRIVER = """\
 import json, sys
@@ -59,14 +64,6 @@ s = socket.create_server(("0.0.0.0", 9099))
 while True:
     s.accept()[0].close()
 """
-
-
-def _wait(predicate, timeout: float, what: str) -> None:
-    deadline = time.monotonic() + timeout
-    while not predicate():
-        if time.monotonic() > deadline:
-            pytest.fail(f"timed out waiting for {what}")
-        time.sleep(0.2)
 
 
 def _tail(path: Path, n: int = 40) -> str:
@@ -112,7 +109,7 @@ def _check_reachability(nc: NetClusters, log_dir: Path) -> None:
         assert routes.stdout.strip() == "", f"{m.name} has a default route: {routes.stdout}"
     b1.popen([sys.executable, "-c", LISTENER], "listener-b1.log")
     # The root namespace reaches every subnet: wait there until the listener is up.
-    _wait(lambda: _connects(b1.ip, 9099), 30, "the listener on b1")
+    wait_until("the listener on b1", lambda: _connects(b1.ip, 9099), 30)
     mailbox, relay = nc.servers.mailbox_port, nc.servers.relay_port
 
     assert nc.mode == "relay_only"
@@ -150,7 +147,7 @@ def _check_worker_loss(nc: NetClusters) -> Machine:
     a1 = nc.a.workers[0]
     sleeper = a1.popen([sys.executable, "-c", "import time; time.sleep(600)"], "sleeper-a1.log")
     nc.a.kill_worker_jvm(a1)
-    _wait(lambda: a1.ip not in nc.a.alive_workers(), 30, "the master to drop a1's worker")
+    wait_until("the master to drop a1's worker", lambda: a1.ip not in nc.a.alive_workers(), 30)
     assert sleeper.poll() is None, "kill_worker_jvm killed another process of the machine"
     assert sleeper.pid in a1.pids()
 

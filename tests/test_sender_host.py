@@ -17,6 +17,7 @@ from typing import Any
 import pyarrow as pa
 import pytest
 
+from spark_dilation.testing.waiting import wait_until
 from spark_dilation.transfer import TransferOptions, receive_dataset
 from spark_dilation.transfer.hostlink import (
     _LEN,
@@ -40,13 +41,6 @@ def table(rows: int, start: int = 0) -> pa.Table:
             "s": pa.array([f"row-{i:09d}" for i in range(start, start + rows)]),
         }
     )
-
-
-def wait_until(condition: Any, timeout: float, what: str) -> None:
-    deadline = time.monotonic() + timeout
-    while not condition():
-        assert time.monotonic() < deadline, f"timed out waiting for {what}"
-        time.sleep(0.05)
 
 
 def agree(schema: pa.Schema, opts: dict[str, Any]) -> tuple[Any, threading.Thread, dict]:
@@ -96,7 +90,7 @@ def test_tasks_hand_partitions_to_the_sender_host(opts: dict[str, Any]) -> None:
     assert send_partition_via_host(spec, 0, 0, iter(parts[0].to_batches())) is None
 
     assert start_sender_host(spec)
-    wait_until(socket_path(spec).exists, 60, "the sender host's socket")
+    wait_until("the sender host's socket", socket_path(spec).exists, 60)
     assert socket_path(spec).stat().st_mode & 0o077 == 0  # this user's alone
 
     # A stranger (no token of this transfer) is dropped; the host goes on.
@@ -146,7 +140,7 @@ def test_tasks_hand_partitions_to_the_sender_host(opts: dict[str, Any]) -> None:
     result = received["result"]
     assert result.table.sort_by("id").equals(pa.concat_tables(parts))
     # Done: the host leaves and takes its directory (socket, log) with it.
-    wait_until(lambda: not host_dir(spec).exists(), 60, "the sender host to exit")
+    wait_until("the sender host to exit", lambda: not host_dir(spec).exists(), 60)
 
 
 def test_a_host_that_dies_mid_partition_is_a_retryable_loss(opts: dict[str, Any]) -> None:
@@ -160,7 +154,7 @@ def test_a_host_that_dies_mid_partition_is_a_retryable_loss(opts: dict[str, Any]
     parts = [table(20_000, start=p * 20_000) for p in range(2)]
     spec, receiver, received = agree(parts[0].schema, opts)
     assert start_sender_host(spec)
-    wait_until(socket_path(spec).exists, 60, "the sender host's socket")
+    wait_until("the sender host's socket", socket_path(spec).exists, 60)
     host_pid = int((host_dir(spec) / "host.pid").read_text())
 
     def dying_batches() -> Any:
@@ -227,4 +221,4 @@ def test_the_host_runs_the_session_for_writer(opts: dict[str, Any], tmp_path: Pa
     receiver.join(120)
     assert "error" not in received, received.get("error")
     assert received["result"].table.sort_by("id").equals(pa.concat_tables(parts))
-    wait_until(lambda: not launch.dir.exists(), 60, "the host to remove its files")
+    wait_until("the host to remove its files", lambda: not launch.dir.exists(), 60)

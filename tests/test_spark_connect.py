@@ -24,6 +24,9 @@ from spark_dilation.transfer import receive_table, send_in_background
 
 ROWS = "200000"
 
+# Each Connect session starts a local Connect server on port 15002: one at a time.
+pytestmark = pytest.mark.xdist_group("spark_connect")
+
 
 def test_register_refuses_a_pyspark_without_python_data_sources() -> None:
     with pytest.raises(SparkVersionError, match=r"needs PySpark 4\.0 or later .* PySpark 3\.5\.1"):

@@ -27,6 +27,7 @@ import pytest
 from spark_dilation.testing import TcpProxy
 from spark_dilation.testing.peer_process import PeerProcess
 from spark_dilation.testing.stepped_reader import SteppedReader
+from spark_dilation.testing.waiting import wait_until
 from spark_dilation.transfer import receive_dataset, send_in_background
 
 
@@ -58,14 +59,15 @@ def staging(tmp: Path) -> str:
 
 
 def test_spark_to_spark_all_types_exact(wormhole_servers: Any, tmp_path: Path) -> None:
-    """1M rows of every common type and nulls; content, schema and nullability equal."""
+    """200k rows of every common type and nulls (four partitions of several Arrow batches
+    each); content, schema and nullability equal."""
     code = "80211-spark-to-spark"
     receiver = peer(
         "receive", code, wormhole_servers, tmp_path, "--out", str(tmp_path / "out"),
         "--option", staging(tmp_path),
     )  # fmt: skip
     sender = peer(
-        "send", code, wormhole_servers, tmp_path, "--rows", "1000000", "--partitions", "4",
+        "send", code, wormhole_servers, tmp_path, "--rows", "200000", "--partitions", "4",
         "--expected", str(tmp_path / "expected"),
     )  # fmt: skip
     sent, got = sender.result(), receiver.result()
@@ -73,12 +75,12 @@ def test_spark_to_spark_all_types_exact(wormhole_servers: Any, tmp_path: Path) -
     assert "error" not in got, got
     # Spark's own schemas, field by field: names, types, nullability (nested too).
     assert json.loads(got["schema"]) == json.loads(sent["schema"])
-    assert got["count"] == 1_000_000  # after show(): the second action reads staging
+    assert got["count"] == 200_000  # after show(): the second action reads staging
     expected, received = read_parquet(tmp_path / "expected"), read_parquet(tmp_path / "out")
-    assert received.num_rows == 1_000_000
+    assert received.num_rows == 200_000
     assert received.equals(expected)
     report = sender.report()
-    assert report["rows"] == 1_000_000 and report["partitions"] == 4 and report["lanes"] == 2
+    assert report["rows"] == 200_000 and report["partitions"] == 4 and report["lanes"] == 2
     # The tasks and the commit handed everything to the sender host (sender_host
     # defaults to true), whose one connection per lane carried every partition.
     assert report["connections"] == report["lanes"], report
@@ -98,7 +100,7 @@ def test_local_clusters_share_connections(
     )  # fmt: skip
     sender = peer(
         "send", code, wormhole_servers, tmp_path, "--master", cluster, "--executors", "2",
-        "--rows", "200000", "--partitions", "12", "--expected", str(tmp_path / "expected"),
+        "--rows", "60000", "--partitions", "12", "--expected", str(tmp_path / "expected"),
         "--option", f"sender_host={sender_host}",
     )  # fmt: skip
     sent, got = sender.result(), receiver.result()
@@ -415,10 +417,12 @@ def test_lane_host_killed_mid_transfer_is_replaced_in_seconds(
         "receive", sender.code, wormhole_servers, tmp_path, "--master", "local[2,2]",
         "--no-show", "--out", str(tmp_path / "out"), "--option", staging(tmp_path),
     )  # fmt: skip
-    deadline = time.monotonic() + 240
-    while not list((tmp_path / "staging").glob("*/lane-0/.p*.partial")):
-        assert time.monotonic() < deadline and receiver.proc.poll() is None, "no partial in time"
-        time.sleep(0.05)
+    wait_until(
+        "a partition of lane 0 in flight",
+        lambda: list((tmp_path / "staging").glob("*/lane-0/.p*.partial")),
+        240,
+        stop_if=lambda: "the receiver exited" if receiver.proc.poll() is not None else None,
+    )
     pid_file = next((tmp_path / "staging").glob("*/lane-0/host.pid"))
     victim = int(pid_file.read_text())
     os.kill(victim, signal.SIGKILL)
@@ -475,10 +479,12 @@ def test_staging_deleted_then_another_action_cannot_heal(
         assert "cannot heal" in failed.get("error", ""), failed
         assert reader.step("stop")["action"] == "stop"
         assert reader.proc.wait(60) == 0
-        deadline = time.monotonic() + 30
-        while _app_processes(str(tmp_path)):
-            assert time.monotonic() < deadline, _app_processes(str(tmp_path))
-            time.sleep(0.2)
+        wait_until(
+            "the application's helper processes to exit",
+            lambda: not _app_processes(str(tmp_path)),
+            30,
+            details=lambda: str(_app_processes(str(tmp_path))),
+        )
         assert not list((tmp_path / "staging").iterdir())
     finally:
         reader.proc.kill()

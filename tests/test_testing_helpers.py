@@ -20,6 +20,7 @@ from urllib.parse import urlsplit
 import pytest
 
 from spark_dilation.testing import ServerProcess, TcpProxy, running_servers
+from spark_dilation.testing.waiting import wait_until
 
 WS_GUID = b"258EAFA5-E914-47DA-95CA-C5AB0DC85B11"
 TIMEOUT = 10.0
@@ -92,14 +93,6 @@ def accepts(port: int) -> bool:
     except OSError:
         return False
     return True
-
-
-def wait_for(predicate: Callable[[], bool], what: str, timeout: float = TIMEOUT) -> None:
-    deadline = time.monotonic() + timeout
-    while not predicate():
-        if time.monotonic() > deadline:
-            raise AssertionError(f"timed out waiting for {what}")
-        time.sleep(0.01)
 
 
 def assert_closed_by_peer(sock: socket.socket) -> None:
@@ -400,7 +393,12 @@ def test_proxy_forwards_both_ways(echo_proxy: TcpProxy) -> None:
         echo_once(sock, b"world" * 1000)
         assert echo_proxy.connection_count == 1
         assert echo_proxy.total_connections == 1
-    wait_for(lambda: echo_proxy.connection_count == 0, "the proxy to forget the connection")
+    wait_until(
+        "the proxy to forget the connection",
+        lambda: echo_proxy.connection_count == 0,
+        TIMEOUT,
+        interval=0.01,
+    )
 
 
 def test_proxy_carries_bulk_data_intact(echo_proxy: TcpProxy) -> None:
@@ -439,8 +437,15 @@ def test_proxy_forwards_half_close(echo_proxy: TcpProxy, echo_server: EchoServer
         sock.shutdown(socket.SHUT_WR)
         assert recv_exact(sock, 10) == b"last words"
         assert sock.recv(1) == b""
-    wait_for(lambda: echo_server.endings == ["eof"], "the echo server to see EOF")
-    wait_for(lambda: echo_proxy.connection_count == 0, "the proxy to forget the connection")
+    wait_until(
+        "the echo server to see EOF", lambda: echo_server.endings == ["eof"], TIMEOUT, interval=0.01
+    )
+    wait_until(
+        "the proxy to forget the connection",
+        lambda: echo_proxy.connection_count == 0,
+        TIMEOUT,
+        interval=0.01,
+    )
 
 
 def test_drop_connections_resets_both_sides_and_keeps_accepting(
@@ -451,7 +456,12 @@ def test_drop_connections_resets_both_sides_and_keeps_accepting(
         assert echo_proxy.drop_connections() == 1
         assert echo_proxy.connection_count == 0
         assert_closed_by_peer(first)
-    wait_for(lambda: echo_server.endings == ["reset"], "the echo server to see a reset")
+    wait_until(
+        "the echo server to see a reset",
+        lambda: echo_server.endings == ["reset"],
+        TIMEOUT,
+        interval=0.01,
+    )
 
     with connect(echo_proxy) as second:
         echo_once(second)
@@ -581,7 +591,12 @@ def test_proxy_resets_client_when_target_is_down(
     else:
         with sock:
             assert_closed_by_peer(sock)
-    wait_for(lambda: proxy.connection_count == 0, "the proxy to forget the connection")
+    wait_until(
+        "the proxy to forget the connection",
+        lambda: proxy.connection_count == 0,
+        TIMEOUT,
+        interval=0.01,
+    )
 
 
 def test_close_resets_connections_and_stops_listening(echo_server: EchoServer) -> None:

@@ -15,6 +15,7 @@ import pyarrow.parquet as pq
 import pytest
 
 from spark_dilation.errors import PeerTimeoutError, WrongCodeError
+from spark_dilation.testing.waiting import wait_until
 from spark_dilation.transfer import (
     TransferOptions,
     receive_dataset,
@@ -224,11 +225,8 @@ def test_a_sender_killed_without_a_word_ends_the_receiver_after_reconnect_timeou
     thread = threading.Thread(target=receive, daemon=True)
     thread.start()
     staging = Path(opts["staging_dir"])
-    deadline = time.monotonic() + 60
     try:
-        while not list(staging.glob("*/lane-*/.p*.partial")):
-            assert time.monotonic() < deadline, "no partition in flight"
-            time.sleep(0.05)
+        wait_until("a partition in flight", lambda: list(staging.glob("*/lane-*/.p*.partial")), 60)
     finally:
         sender.kill()
     killed = time.monotonic()

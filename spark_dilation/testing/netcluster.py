@@ -68,7 +68,8 @@ work directories (``executors/<machine>/<app>/<executor>/``). ``close()``
 (also run at exit) kills every process in the namespaces, deletes the
 namespaces, veths, bridges, the services address and the run directory,
 restores ``ip_forward``, and raises if anything is left (only the shared lock
-file ``/tmp/sdnc.lock`` stays). Runs killed before
+file ``/run/lock/spark-dilation-netcluster.lock`` stays, where lock files
+belong, so nothing is left in ``/tmp``). Runs killed before
 they could clean up are removed by the next :func:`start_net_clusters`, or by
 ``python -m spark_dilation.testing.netcluster cleanup``.
 """
@@ -113,7 +114,13 @@ __all__ = [
 
 RUN_PARENT = Path("/tmp")
 RUN_DIR_PREFIX = "sdnc-"
-LOCK_PATH = RUN_PARENT / "sdnc.lock"
+# Shared by every run on the machine; /run/lock is where lock files live (the
+# leftover check of the test suite watches /tmp).
+LOCK_PATH = (
+    Path("/run/lock/spark-dilation-netcluster.lock")
+    if Path("/run/lock").is_dir()
+    else RUN_PARENT / "sdnc.lock"
+)
 MASTER_PORT = 7077
 MASTER_UI_PORT = 8080
 WORKER_UI_PORT = 8081

@@ -1,0 +1,200 @@
+"""A pytest plugin that fails the run if the suite left anything behind.
+
+Enable it with ``pytest_plugins = ["spark_dilation.testing.leftovers"]`` (or
+``-p spark_dilation.testing.leftovers``). At the start of the run it takes a
+snapshot; at the end it compares:
+
+- **processes** carrying this run's mark: the plugin puts ``RUN_MARK=<id>`` in
+  the environment before anything starts, so every process the suite starts
+  (xdist workers, Spark JVMs, servers, CLI runs, daemons that re-parented to
+  init) inherits it; those still alive after ``PROCESS_GRACE`` seconds are
+  reported and then killed, so a failing run does not leave them either;
+- **network namespaces** (``ip netns list``) and **mount points**
+  (``/proc/self/mountinfo``) that were not there before;
+- **files and folders** new at the top of the system temp folder (``/tmp``),
+  except pytest's own (``pytest-of-*``) and the JVM's shared perf-data folders
+  (``hsperfdata_*``, which every JVM shares and empties on exit).
+
+Files are kept out of ``/tmp`` by construction: the plugin points ``TMPDIR``
+(Python, our helpers and servers), ``SPARK_LOCAL_DIRS`` (Spark's ``spark-*`` and
+``blockmgr-*`` folders) and the JVM's ``java.io.tmpdir`` (``SPARK_SUBMIT_OPTS``)
+at a folder inside pytest's base temp, which pytest prunes after three runs.
+
+With pytest-xdist the snapshot and the check run in the controller only, after
+every worker has exited. The check only reports; it removes nothing but the
+marked processes.
+"""
+
+from __future__ import annotations
+
+import os
+import signal
+import subprocess
+import tempfile
+import time
+import uuid
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import pytest
+
+RUN_MARK = "SPARK_DILATION_TEST_RUN"
+PROCESS_GRACE = 15.0  # s for the run's processes to finish exiting before they count
+SYSTEM_TMP = Path("/tmp")
+IGNORED_TMP_PREFIXES = ("pytest-of-", "hsperfdata_")
+
+
+@dataclass(frozen=True)
+class Snapshot:
+    """What existed before the run: the baseline the check compares against."""
+
+    tmp_entries: frozenset[str]
+    namespaces: frozenset[str]
+    mounts: frozenset[str]
+
+    @classmethod
+    def take(cls) -> Snapshot:
+        return cls(tmp_entries(), namespaces(), mounts())
+
+
+@dataclass
+class Leftovers:
+    processes: list[str] = field(default_factory=list)
+    namespaces: list[str] = field(default_factory=list)
+    mounts: list[str] = field(default_factory=list)
+    files: list[str] = field(default_factory=list)
+
+    def lines(self) -> list[str]:
+        out: list[str] = []
+        for kind, items in (
+            ("process", self.processes),
+            ("network namespace", self.namespaces),
+            ("mount", self.mounts),
+            ("file", self.files),
+        ):
+            out += [f"left behind: {kind} {item}" for item in items]
+        return out
+
+
+def tmp_entries() -> frozenset[str]:
+    try:
+        return frozenset(p.name for p in SYSTEM_TMP.iterdir())
+    except OSError:
+        return frozenset()
+
+
+def namespaces() -> frozenset[str]:
+    try:
+        out = subprocess.run(
+            ["ip", "netns", "list"], capture_output=True, text=True, timeout=30, check=False
+        ).stdout
+    except (OSError, subprocess.TimeoutExpired):
+        return frozenset()
+    return frozenset(line.split()[0] for line in out.splitlines() if line.strip())
+
+
+def mounts() -> frozenset[str]:
+    try:
+        text = Path("/proc/self/mountinfo").read_text()
+    except OSError:
+        return frozenset()
+    # Field 5 is the mount point (``man proc``, /proc/pid/mountinfo).
+    return frozenset(line.split()[4] for line in text.splitlines() if len(line.split()) > 4)
+
+
+def marked_processes(mark: str) -> dict[int, str]:
+    """Live processes whose environment carries ``RUN_MARK=mark``: pid -> command line."""
+    needle = f"{RUN_MARK}={mark}".encode()
+    found: dict[int, str] = {}
+    me = os.getpid()
+    for entry in Path("/proc").iterdir():
+        if not entry.name.isdigit() or int(entry.name) == me:
+            continue
+        try:
+            if needle not in (entry / "environ").read_bytes().split(b"\0"):
+                continue
+            status = (entry / "stat").read_text()
+            if status.rsplit(")", 1)[1].split()[0] == "Z":
+                continue  # exited, waiting for its parent to reap it
+            cmd = (entry / "cmdline").read_bytes().replace(b"\0", b" ").decode(errors="replace")
+        except OSError:
+            continue
+        found[int(entry.name)] = cmd.strip()[:200]
+    return found
+
+
+def find(before: Snapshot, mark: str, grace: float = PROCESS_GRACE) -> Leftovers:
+    """What is there now and was not in ``before``; waits up to ``grace`` s for processes."""
+    deadline = time.monotonic() + grace
+    procs = marked_processes(mark)
+    while procs and time.monotonic() < deadline:
+        time.sleep(0.2)
+        procs = marked_processes(mark)
+    return Leftovers(
+        processes=[f"{pid} {cmd}" for pid, cmd in sorted(procs.items())],
+        namespaces=sorted(namespaces() - before.namespaces),
+        mounts=sorted(mounts() - before.mounts),
+        files=sorted(
+            str(SYSTEM_TMP / name)
+            for name in tmp_entries() - before.tmp_entries
+            if not name.startswith(IGNORED_TMP_PREFIXES)
+        ),
+    )
+
+
+def kill(processes: list[str]) -> None:
+    for line in processes:
+        try:
+            os.kill(int(line.split()[0]), signal.SIGKILL)
+        except (OSError, ValueError):
+            pass
+
+
+def _is_worker(config: pytest.Config) -> bool:
+    return hasattr(config, "workerinput")
+
+
+@pytest.hookimpl(trylast=True)  # after tmpdir's, which makes the base temp
+def pytest_configure(config: pytest.Config) -> None:
+    if _is_worker(config):
+        return  # the controller set everything up; its environment is inherited
+    mark = uuid.uuid4().hex[:12]
+    os.environ[RUN_MARK] = mark
+    scratch = config._tmp_path_factory.getbasetemp() / "tmp"  # type: ignore[attr-defined]
+    scratch.mkdir(exist_ok=True)
+    os.environ["TMPDIR"] = str(scratch)
+    os.environ["SPARK_LOCAL_DIRS"] = str(scratch)
+    opts = os.environ.get("SPARK_SUBMIT_OPTS", "")
+    os.environ["SPARK_SUBMIT_OPTS"] = f"{opts} -Djava.io.tmpdir={scratch}".strip()
+    tempfile.tempdir = None  # forget the cached /tmp
+    config.stash[_SNAPSHOT] = Snapshot.take()
+
+
+_SNAPSHOT = pytest.StashKey[Snapshot]()
+
+
+@pytest.hookimpl(trylast=True)
+def pytest_sessionfinish(session: pytest.Session, exitstatus: int) -> None:
+    config = session.config
+    if _is_worker(config) or _SNAPSHOT not in config.stash:
+        return
+    found = find(config.stash[_SNAPSHOT], os.environ[RUN_MARK])
+    lines = found.lines()
+    if not lines:
+        return
+    kill(found.processes)
+    reporter = config.pluginmanager.get_plugin("terminalreporter")
+    if reporter is not None:
+        reporter.ensure_newline()
+    for line in lines:
+        if reporter is not None:
+            reporter.write_line(line, red=True, bold=True)
+        else:
+            print(line)
+    if reporter is not None:
+        reporter.write_line(
+            f"the run left {len(lines)} thing(s) behind (spark_dilation.testing.leftovers); "
+            "the processes were killed, the rest is still there",
+            red=True,
+        )
+    session.exitstatus = pytest.ExitCode.TESTS_FAILED
