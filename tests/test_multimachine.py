@@ -374,7 +374,7 @@ def test_reader_application_killed_mid_transfer(net_clusters: NetClusters) -> No
     nc = net_clusters
     writer, writer_log = _send(
         nc, "10-reader-killed", "rkill", "--option", "test_fail=sender-pause:10",
-        "--option", "reconnect_timeout=20", "--option", "lane_start_timeout=20",
+        "--option", "reconnect_timeout=20", "--option", "lane_start_timeout=90",
         "--conf", "spark.task.maxFailures=1",
     )  # fmt: skip
     reader = Reader(nc, "10-reader-killed", "rkill")
