@@ -59,7 +59,7 @@ class Snapshot:
 
 @dataclass
 class Leftovers:
-    processes: list[str] = field(default_factory=list)
+    processes: dict[int, str] = field(default_factory=dict)  # pid -> command line
     namespaces: list[str] = field(default_factory=list)
     mounts: list[str] = field(default_factory=list)
     files: list[str] = field(default_factory=list)
@@ -67,7 +67,7 @@ class Leftovers:
     def lines(self) -> list[str]:
         out: list[str] = []
         for kind, items in (
-            ("process", self.processes),
+            ("process", [f"{pid} {cmd}" for pid, cmd in sorted(self.processes.items())]),
             ("network namespace", self.namespaces),
             ("mount", self.mounts),
             ("file", self.files),
@@ -131,7 +131,7 @@ def find(before: Snapshot, mark: str, grace: float = PROCESS_GRACE) -> Leftovers
         time.sleep(0.2)
         procs = marked_processes(mark)
     return Leftovers(
-        processes=[f"{pid} {cmd}" for pid, cmd in sorted(procs.items())],
+        processes=procs,
         namespaces=sorted(namespaces() - before.namespaces),
         mounts=sorted(mounts() - before.mounts),
         files=sorted(
@@ -142,11 +142,11 @@ def find(before: Snapshot, mark: str, grace: float = PROCESS_GRACE) -> Leftovers
     )
 
 
-def kill(processes: list[str]) -> None:
-    for line in processes:
+def kill(pids: dict[int, str]) -> None:
+    for pid in pids:
         try:
-            os.kill(int(line.split()[0]), signal.SIGKILL)
-        except (OSError, ValueError):
+            os.kill(pid, signal.SIGKILL)
+        except OSError:
             pass
 
 
