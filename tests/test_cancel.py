@@ -11,9 +11,10 @@ the signalled side stops its streams at once and ends once the other side
 confirmed the end; the other side ends once it heard it. The end message
 travels behind the data already queued on the connection (up to about
 20 MB between the Dilation queue and the socket buffers here: about a
-second at the proxy's rate; instant on a fast link), so both sides end
-within a few seconds (``CANCEL_TELL_TIMEOUT`` + ``CANCEL_LINGER`` at
-worst). Before this, the other side reconnected for ever.
+second at the proxy's rate; instant on a fast link); the sender's end also
+goes over a new connection when it is not confirmed at once, so at 0.25 MB/s
+too both sides end within a few seconds (``CANCEL_TELL_TIMEOUT`` +
+``CANCEL_LINGER`` at worst). Before this, the other side reconnected for ever.
 """
 
 from __future__ import annotations
@@ -46,6 +47,7 @@ from spark_dilation.transfer.staging import TransferAbortedError
 PARTS = 4
 ROWS = 300_000  # per file: about 10 MB of incompressible rows
 RATE = 16e6  # bytes/s through the relay proxy: the 40 MB take about 3 s
+SLOW_RATE = 0.25e6  # bytes/s: the Dilation queue alone (8 MB) would hold an abort 32 s
 BOUND = 20.0  # seconds for a side to end after the signal (measured: 1-3 s)
 
 
@@ -67,10 +69,15 @@ def source(tmp_path_factory: pytest.TempPathFactory) -> Path:
 
 
 @pytest.fixture
-def slow_relay(wormhole_servers: Any) -> Iterator[str]:
+def relay_proxy(wormhole_servers: Any) -> Iterator[TcpProxy]:
     with TcpProxy("127.0.0.1", wormhole_servers.relay_port) as proxy:
         proxy.limit_rate(RATE)
-        yield f"tcp:127.0.0.1:{proxy.port}"
+        yield proxy
+
+
+@pytest.fixture
+def slow_relay(relay_proxy: TcpProxy) -> str:
+    return f"tcp:127.0.0.1:{relay_proxy.port}"
 
 
 @pytest.fixture
@@ -96,7 +103,10 @@ def end_times(since: float, **running: Running) -> dict[str, float]:
         if time.monotonic() - since > TIMEOUT:
             for r in running.values():
                 r.kill()
-            pytest.fail(f"still running {TIMEOUT:g} s after the signal: {sorted(running)}")
+            outputs = "".join(r.finish().describe() for r in running.values())
+            pytest.fail(
+                f"still running {TIMEOUT:g} s after the signal: {sorted(running)}\n{outputs}"
+            )
         time.sleep(0.02)
     print(f"time to end after the signal: {ended}")
     return ended
@@ -131,7 +141,7 @@ def start_mid_transfer(
     out: Path,
 ) -> tuple[Running, Running]:
     # compression none: the rate limit must hold the transfer under way, whatever auto chose.
-    flags = ("--no-listen", "--compression", "none")
+    flags = ("--no-listen", "--compression", "none", "-v")
     sender = procs(send_cmd(mailbox_url, relay, *flags, str(source)))
     code = sender.wait_for_code()
     receiver = procs(receive_cmd(mailbox_url, relay, "--no-listen", code, "-o", str(out)))
@@ -172,22 +182,28 @@ def test_receiver_signal_mid_transfer_ends_both_and_tells_the_sender(
     assert no_process_with(str(staging.parent)) == []
 
 
-def test_sender_ctrl_c_mid_transfer_ends_both_and_tells_the_receiver(
+def test_sender_ctrl_c_on_a_slow_link_tells_the_receiver_ahead_of_queued_data(
     mailbox_url: str,
+    relay_proxy: TcpProxy,
     slow_relay: str,
     source: Path,
     staging: Path,
     procs: Callable[..., Running],  # noqa: F811
     tmp_path: Path,
 ) -> None:
+    """At 0.25 MB/s the data queued ahead of an in-band abort would take over 30 s:
+    the abort goes over a new connection too and is heard in seconds."""
     out = tmp_path / "out"
     sender, receiver = start_mid_transfer(procs, mailbox_url, slow_relay, source, staging, out)
+    relay_proxy.limit_rate(SLOW_RATE)
     t0 = time.monotonic()
     sender.proc.send_signal(signal.SIGINT)
     took = end_times(t0, sender=sender, receiver=receiver)
     sent, received = sender.finish(), receiver.finish()
 
-    assert last_line(sent, 130) == "spark-dilation: cancelled (Ctrl-C); the receiver was told"
+    assert last_line(sent, 130) == ("spark-dilation: cancelled (Ctrl-C); the receiver was told"), (
+        sent.describe() + received.describe()
+    )
     assert "Dataset sent" not in sent.stderr
     assert last_line(received, 1) == (
         "spark-dilation: error: the sender cancelled the transfer (Ctrl-C)"

@@ -25,8 +25,11 @@ RECV_SIZE = 256 * 1024
 MAX_PENDING = 4 * RECV_SIZE
 COMMAND_TIMEOUT = 30.0
 # limit_rate(): the least a read waits for (smaller reads would spin), and the
-# most one read takes, so ready connections share the tokens.
+# most one read takes, so ready connections share the tokens: 10 ms of the rate
+# within these bounds. A slow link so serves a new connection's handshake
+# between a busy one's reads, as a real link interleaves packets.
 RATE_CHUNK = 64 * 1024
+MIN_RATE_CHUNK = 2 * 1024
 
 _READ = selectors.EVENT_READ
 _WRITE = selectors.EVENT_WRITE
@@ -112,6 +115,7 @@ class TcpProxy:
         self._closing = False
         # Token bucket of limit_rate(): bytes we may still read, refilled at _rate.
         self._rate: float | None = None
+        self._chunk = RATE_CHUNK
         self._tokens = 0.0
         self._refilled_at = 0.0
         self._commands: queue.SimpleQueue[tuple[Callable[[], Any], Future[Any]]] = (
@@ -378,7 +382,7 @@ class TcpProxy:
     def _read(self, link: _Link, d: _Direction) -> None:
         if self._starved():
             return
-        size = RECV_SIZE if self._rate is None else min(RATE_CHUNK, int(self._tokens))
+        size = RECV_SIZE if self._rate is None else min(self._chunk, int(self._tokens))
         try:
             data = d.src.recv(size)
         except (BlockingIOError, InterruptedError):
@@ -471,6 +475,9 @@ class TcpProxy:
 
     def _set_rate(self, rate: float | None) -> None:
         self._rate = rate
+        self._chunk = (
+            RATE_CHUNK if rate is None else int(min(RATE_CHUNK, max(MIN_RATE_CHUNK, rate * 0.01)))
+        )
         self._tokens = 0.0
         self._refilled_at = time.monotonic()
         self._resume(list(self._links))
@@ -486,12 +493,12 @@ class TcpProxy:
 
     def _starved(self) -> bool:
         # Wait for a whole chunk, not one byte: reads of a few bytes each would spin.
-        return self._rate is not None and self._tokens < RATE_CHUNK
+        return self._rate is not None and self._tokens < self._chunk
 
     def _until_tokens(self) -> float:
         """Seconds until the bucket holds a chunk again."""
         assert self._rate is not None
-        return max(0.001, (RATE_CHUNK - self._tokens) / self._rate)
+        return max(0.001, (self._chunk - self._tokens) / self._rate)
 
     def _stall_existing(self) -> int:
         links = list(self._links)
