@@ -396,7 +396,8 @@ def test_reader_application_killed_mid_transfer(net_clusters: NetClusters) -> No
     assert sent is not None and "the reading application ended" in sent.get("error", ""), _tail(
         writer_log
     )
-    assert took < 150, f"the writer failed {took:.0f} s after the reader died"
+    # Its abort() tries the gone lanes for at most ABORT_TIMEOUT (10 s), not 30.
+    assert took < 60, f"the writer failed {took:.0f} s after the reader died"
     _wait_for_sender_host_exit(nc, limit=60)  # its abort finds no lane
 
 

@@ -665,10 +665,13 @@ def deliver_manifest(
     return manifest, opened
 
 
+ABORT_TIMEOUT = 10.0  # s: how long the sending side tries to tell live lanes (docs/transfer.md)
+
+
 def deliver_abort(
     spec: TransferSpec,
     reason: str,
-    timeout: float = 30.0,
+    timeout: float = ABORT_TIMEOUT,
     connections: ConnectionPool | None = None,
     *,
     cancelled: bool = False,
@@ -679,7 +682,9 @@ def deliver_abort(
     ``reason``: what failed, or the cause of the cancel (``"Ctrl-C"``). With
     ``reached_only`` only the lanes ``connections`` is connected to are told
     (the receiver ends every lane when one is aborted), or every lane over new
-    connections if it has none. True if every lane told confirmed.
+    connections if it has none. True if every lane told confirmed, or if the
+    receiver ended the transfer itself (a lane's ``A`` reached ``connections``):
+    its lanes are gone, and waiting for them would only delay the caller's error.
 
     On a connection the abort travels behind the data already queued on it
     (up to the Dilation queue's high-water mark plus the socket buffers:
@@ -688,6 +693,9 @@ def deliver_abort(
     (the lanes' next doors), which carries nothing else; the first to confirm
     wins and the receiver ignores the second.
     """
+    if connections is not None and connections.receiver_ended(spec.transfer_id):
+        log.info("the receiver ended transfer %s itself: no abort to tell", spec.transfer_id)
+        return True
     message = Abort(reason, cancelled).encode()
     try:
         lanes = (

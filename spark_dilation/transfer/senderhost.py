@@ -147,7 +147,7 @@ class SenderHost:
             return
         log.warning("the writing application (pid %s) ended: aborting the transfer", self.owner)
         try:
-            deliver_abort(self.spec, OWNER_ENDED, 30.0, connections=self.pool)
+            deliver_abort(self.spec, OWNER_ENDED, connections=self.pool)
         except Exception as e:  # the lanes' own deadlines still end them
             log.warning("could not deliver the abort: %s", e)
         finally:

@@ -115,10 +115,12 @@ def _detail(spec: TransferSpec, stats: list[ConnectionStats], partitions: int) -
     return fallback_detail(spec.compression, spec.parquet_refused(), partitions)
 
 
-def abort(spec: TransferSpec, reason: str, timeout: float = 30.0) -> None:
+def abort(spec: TransferSpec, reason: str, timeout: float | None = None) -> None:
     """Tell every lane the transfer failed (best effort: the lanes' deadlines end them too)."""
     from .hostlink import deliver_abort_via_host
+    from .sender import ABORT_TIMEOUT
 
+    timeout = ABORT_TIMEOUT if timeout is None else timeout
     try:
         if deliver_abort_via_host(spec, reason, timeout=timeout):
             return
