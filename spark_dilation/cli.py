@@ -13,6 +13,8 @@ errors).
 from __future__ import annotations
 
 import argparse
+import contextlib
+import importlib
 import json
 import logging
 import os
@@ -265,6 +267,12 @@ def main(argv: Sequence[str] | None = None) -> int:
     if args.command == "demo":
         from .demo import run
 
+        if not args.no_spark and not _importable("pyspark"):
+            return _usage_error(
+                "demo",
+                "its Spark part needs the spark extra: pip install "
+                "'spark-dilation[spark,server]' (or run demo --no-spark)",
+            )
         try:
             rows = {} if args.rows is None else {"rows": args.rows}
             return run(sys.stdout, spark=not args.no_spark, **rows)
@@ -279,6 +287,14 @@ def main(argv: Sequence[str] | None = None) -> int:
     reporter = Reporter(pick_mode(args.quiet, args.json, sys.stderr))
     command = {"send": send, "receive": receive}[args.command]
     return run_command(command, args, reporter)
+
+
+def _importable(module: str) -> bool:
+    try:
+        importlib.import_module(module)
+    except ImportError:
+        return False
+    return True
 
 
 def _usage_error(command: str, message: str) -> int:
@@ -319,11 +335,12 @@ def run_command(
     except KeyboardInterrupt as e:
         # The transfer already told the other side and cleaned up; str(e) says so.
         message = str(e) if isinstance(e, Interrupted) else "cancelled (Ctrl-C)"
-        reporter.close()
-        reporter.emit("cancelled", message=message)
-        if _prompting.is_set():
-            print(file=sys.stderr)  # off the prompt's line
-        print(f"spark-dilation: {message}", file=sys.stderr)
+        with contextlib.suppress(OSError):  # SIGHUP: the terminal may be gone
+            reporter.close()
+            reporter.emit("cancelled", message=message)
+            if _prompting.is_set():
+                print(file=sys.stderr)  # off the prompt's line
+            print(f"spark-dilation: {message}", file=sys.stderr)
         _quiet_from_now()
         cli_signals.restore_terminal()
         cli_signals.exit_soon(cli_signals.exit_code())
@@ -446,6 +463,12 @@ def _code_banner(code: str, err: TextIO, how: str) -> None:
 
 
 def send(args: argparse.Namespace, reporter: Reporter) -> None:
+    from .transfer.options import COMPRESSION_OPTIONS
+
+    if args.compression not in COMPRESSION_OPTIONS:  # CLI wording, before the code is used
+        raise ValueError(
+            f"--compression {args.compression}: choose {', '.join(COMPRESSION_OPTIONS)}"
+        )
     if args.text == "-":  # as `wormhole send --text -` does
         print("Reading text message from stdin..", file=sys.stderr)
         args.text = sys.stdin.read()
@@ -607,7 +630,11 @@ def _check_dest_before_code(args: argparse.Namespace, code: str) -> None:
     problem = dest_problem(dest, must_be_empty=not (args.accept_file or args.overwrite))
     if problem is not None:
         full = dest.is_dir() and any(dest.iterdir())
-        hint = " (add --accept-file to save a file inside it)" if full else ""
+        hint = (
+            " (--overwrite replaces it with the dataset; --accept-file saves a file inside it)"
+            if full
+            else ""
+        )
         raise TransferOptionError(
             f"{problem}{hint}; the code was not used, so run receive again with another -o"
         )
@@ -637,7 +664,7 @@ def receive_session_or_classic(
                 raise TransferError("no answer on stdin: pass --accept-file to accept the file")
             print(f"ok? (Y/n): {line.strip()}", file=err)
             return line.strip().lower() in ("", "y", "yes")
-        return _prompt("ok? (Y/n): ").lower() in ("", "y", "yes")
+        return _prompt("ok? (Y/n): ", at_end="n").lower() in ("", "y", "yes")
 
     @defer.inlineCallbacks
     def exchange() -> Any:
@@ -728,10 +755,17 @@ def _in_daemon_thread(reactor: Any, fn: Callable[..., Any], *args: Any) -> defer
 _prompting = threading.Event()  # a prompt waits for a line: Ctrl-C starts a new one
 
 
-def _prompt(text: str) -> str:
+def _prompt(text: str, at_end: str | None = None) -> str:
+    """A line typed at the prompt; at end of input (Ctrl-D) ``at_end``, or for a code
+    prompt (``at_end`` None) the error that no code was given."""
     _prompting.set()
     try:
         return input(text).strip()
+    except EOFError:
+        print(file=sys.stderr)  # off the prompt's line
+        if at_end is None:
+            raise DilationError("no code given (end of input at the prompt)") from None
+        return at_end
     finally:
         _prompting.clear()
 

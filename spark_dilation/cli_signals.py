@@ -1,10 +1,11 @@
-"""Ctrl-C and SIGTERM in the ``spark-dilation`` command: stop, tell the peer, one line.
+"""Ctrl-C, SIGTERM and SIGHUP in the ``spark-dilation`` command: stop, tell the peer, one line.
 
-The first SIGINT or SIGTERM raises :class:`~spark_dilation.errors.Interrupted`
+The first SIGINT, SIGTERM or SIGHUP raises :class:`~spark_dilation.errors.Interrupted`
 (a ``KeyboardInterrupt`` naming the signal) in the main thread, so the same
 code paths as a Ctrl-C in the Python API run: the transfer cuts what is
 under way, tells the other side, removes what it staged, and the command
-prints one line and exits 130 (SIGINT) or 143 (SIGTERM). A second signal
+prints one line and exits 130 (SIGINT), 143 (SIGTERM) or 129 (SIGHUP; the
+line may have no terminal left to go to). A second signal
 while that runs exits at once (:func:`exit_now`). The terminal's settings
 are saved at the start and put back on the way out, as a code prompt (read
 by another thread) may have changed them.
@@ -23,8 +24,9 @@ from typing import Any
 
 from .errors import Interrupted
 
-CAUSES = {signal.SIGINT: "Ctrl-C", signal.SIGTERM: "SIGTERM"}
-EXIT_CODES = {signal.SIGINT: 130, signal.SIGTERM: 143}
+# SIGHUP (the terminal closed) ends a transfer as SIGTERM does: told, cleaned up.
+CAUSES = {signal.SIGINT: "Ctrl-C", signal.SIGTERM: "SIGTERM", signal.SIGHUP: "SIGHUP"}
+EXIT_CODES = {signal.SIGINT: 130, signal.SIGTERM: 143, signal.SIGHUP: 129}
 
 _first: int | None = None
 _tty: Any = None  # termios attributes of stdin, when it is a terminal
@@ -32,7 +34,7 @@ _at_once: list[Callable[[], None]] = []  # quick local cleanups even a second si
 
 
 def install() -> None:
-    """Take over SIGINT and SIGTERM for the rest of the command (main thread only)."""
+    """Take over SIGINT, SIGTERM and SIGHUP for the rest of the command (main thread only)."""
     global _tty, _first
     _first = None
     with contextlib.suppress(ImportError, OSError, ValueError):

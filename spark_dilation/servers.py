@@ -33,6 +33,7 @@ __all__ = [
     "SERVER_EXTRA_MESSAGE",
     "EmbeddedServers",
     "ListenError",
+    "ServerExtraMissing",
     "main",
     "run_foreground",
     "start_servers",
@@ -41,8 +42,17 @@ __all__ = [
 log = logging.getLogger(__name__)
 
 SERVER_EXTRA_MESSAGE = (
-    "spark-dilation serve needs the server extra: pip install 'spark-dilation[server]'"
+    "the mailbox server and transit relay need the server extra: "
+    "pip install 'spark-dilation[server]'"
 )
+
+
+class ServerExtraMissing(DilationError, RuntimeError):
+    """The ``[server]`` extra is not installed (a RuntimeError, as before it had a class)."""
+
+    def __init__(self) -> None:
+        super().__init__(SERVER_EXTRA_MESSAGE)
+
 
 # Same values as the mailbox server's twistd plugin (server_tap.py): without
 # pruning, abandoned nameplates and mailboxes would pile up forever.
@@ -87,7 +97,7 @@ def _load_server_modules() -> SimpleNamespace:
         from wormhole_transit_relay import transit_server
         from wormhole_transit_relay.usage import create_usage_tracker
     except ImportError as e:
-        raise RuntimeError(SERVER_EXTRA_MESSAGE) from e
+        raise ServerExtraMissing() from e
     return SimpleNamespace(
         create_or_upgrade_channel_db=create_or_upgrade_channel_db,
         make_server=make_server,
@@ -358,8 +368,8 @@ def run_foreground(
     """
     try:
         _load_server_modules()
-    except RuntimeError as e:
-        print(f"spark-dilation: {e}", file=sys.stderr, flush=True)
+    except ServerExtraMissing as e:
+        print(f"spark-dilation serve: {e}", file=sys.stderr, flush=True)
         return 1
 
     from twisted.internet import reactor

@@ -150,7 +150,12 @@ def start_mid_transfer(
 
 
 @pytest.mark.parametrize(
-    ("signum", "code", "cause"), [(signal.SIGINT, 130, "Ctrl-C"), (signal.SIGTERM, 143, "SIGTERM")]
+    ("signum", "code", "cause"),
+    [
+        (signal.SIGINT, 130, "Ctrl-C"),
+        (signal.SIGTERM, 143, "SIGTERM"),
+        (signal.SIGHUP, 129, "SIGHUP"),
+    ],
 )
 def test_receiver_signal_mid_transfer_ends_both_and_tells_the_sender(
     mailbox_url: str,
@@ -255,7 +260,17 @@ def test_sigterm_while_the_sender_waits_for_a_receiver(
     assert took["sender"] < 5.0, took
 
 
-def test_ctrl_c_at_the_code_prompt_exits_with_one_press(mailbox_url: str) -> None:
+@pytest.mark.parametrize(
+    ("key", "status", "last"),
+    [
+        (b"\x03", 130, "spark-dilation: cancelled (Ctrl-C)"),
+        (b"\x04", 1, "spark-dilation: error: no code given (end of input at the prompt)"),
+    ],
+    ids=["ctrl-c", "ctrl-d"],
+)
+def test_ctrl_c_or_d_at_the_code_prompt_exits_with_one_press(
+    mailbox_url: str, key: bytes, status: int, last: str
+) -> None:
     pid, fd = pty.fork()
     if pid == 0:  # the child: the command on a terminal of its own
         os.execv(ours(mailbox_url)[0], [*ours(mailbox_url), "receive"])
@@ -278,21 +293,21 @@ def test_ctrl_c_at_the_code_prompt_exits_with_one_press(mailbox_url: str) -> Non
         assert b"Enter receive wormhole code: " in shown, shown
         pressed = True
         t0 = time.monotonic()
-        os.write(fd, b"\x03")  # Ctrl-C, once
-        status = None
-        while status is None and time.monotonic() - t0 < TIMEOUT:
+        os.write(fd, key)  # once
+        ended = None
+        while ended is None and time.monotonic() - t0 < TIMEOUT:
             read(time.monotonic() + 0.1)
             done, raw = os.waitpid(pid, os.WNOHANG)
-            status = os.waitstatus_to_exitcode(raw) if done else None
+            ended = os.waitstatus_to_exitcode(raw) if done else None
         took = time.monotonic() - t0
-        print(f"prompt: ended {took:.2f} s after one Ctrl-C")
+        print(f"prompt: ended {took:.2f} s after one {key!r}")
         text = shown.decode(errors="replace")
-        assert status == 130, text
+        assert ended == status, text
         assert took < 5.0, took
         assert "Traceback" not in text, text
-        assert text.rstrip().endswith("spark-dilation: cancelled (Ctrl-C)"), text
+        assert text.rstrip().endswith(last), text
     finally:
-        if not pressed or status is None:
+        if not pressed or ended is None:
             os.kill(pid, signal.SIGKILL)
             os.waitpid(pid, 0)
         os.close(fd)

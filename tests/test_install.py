@@ -81,3 +81,28 @@ def test_spark_features_without_pyspark_say_what_they_need():
 def test_an_old_pyspark_is_named():
     with pytest.raises(SparkVersionError, match=r"PySpark 4\.0 or later .* PySpark 3\.5\.1"):
         check_pyspark("3.5.1")
+
+
+@pytest.mark.parametrize(
+    ("missing", "args", "code", "needs"),
+    [
+        ("pyspark", ["demo"], 2, "pip install 'spark-dilation[spark,server]'"),
+        ("wormhole_mailbox_server", ["demo", "--no-spark"], 1, "[server]'"),
+        ("wormhole_mailbox_server", ["serve"], 1, "[server]'"),
+    ],
+)
+def test_demo_and_serve_without_their_extras_say_what_to_install(
+    missing: str, args: list[str], code: int, needs: str
+) -> None:
+    done = _run(
+        f"""
+        import sys
+        sys.modules[{missing!r}] = None  # as in an install without the extra
+        import spark_dilation.cli
+        sys.exit(spark_dilation.cli.main({args!r}))
+        """
+    )
+    lines = done.stderr.strip().splitlines()
+    assert done.returncode == code, done.stderr
+    assert len(lines) == 1 and needs in lines[0], done.stderr
+    assert lines[0].startswith("spark-dilation"), done.stderr

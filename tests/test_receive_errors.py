@@ -187,6 +187,8 @@ def test_unusable_output_is_refused_before_the_code_is_used(
         line = one_error(result, returncode=2)
         assert len(result.stderr.splitlines()) == 1, result.describe()
         assert why in line and "the code was not used" in line, result.describe()
+        if out == full:  # the options that would take it
+            assert "--overwrite" in line and "--accept-file" in line, line
         assert sender.proc.poll() is None, "the sender must still be waiting"
     assert [p.name for p in full.iterdir()] == ["keep.txt"]
 

@@ -123,6 +123,9 @@ class LaneReceiver:
         self._cond = threading.Condition()
         self._stop = threading.Event()
         self._stop_lock = threading.Lock()
+        # Set (under _cond) before the staging folder is removed: no stream creates or
+        # renames a file in it after that, so removing it leaves nothing behind.
+        self._sealed = False
         # Meeting by introduction: one door per sender the directory named.
         self.epoch = epoch
         self._doors = LaneDoors(lane, epoch)
@@ -161,11 +164,23 @@ class LaneReceiver:
         )
         self._senders.subscribe(self._learn)
 
+    def seal(self) -> None:
+        """No stream writes a new file into the staging from now on (its owner removes
+        the folder next); a stream still under way ends without keeping its partition."""
+        with self._cond:
+            self._sealed = True
+
+    def _unsealed(self, what: str) -> None:
+        """Under ``_cond``: raise if the staging is sealed."""
+        if self._sealed:
+            raise TransferError(f"lane {self.lane} is ending: {what} was not kept")
+
     def stop(self, linger: float = 2.0) -> None:
         """Close the doors and every connection (idempotent; waits for a stop under way)."""
         with self._stop_lock:
             self._stop.set()
             with self._cond:
+                self._sealed = True
                 conns = list(self._connections)
                 self._connections.clear()
                 self._cond.notify_all()
@@ -451,7 +466,9 @@ class LaneReceiver:
         partial = None if discard else self.staging.partial_path(header.partition, header.attempt)
         what = f"partition {header.partition}"
         try:
-            out = open(partial, "wb") if partial else None
+            with self._cond:
+                self._unsealed(what)
+                out = open(partial, "wb") if partial else None
             if out is not None and header.compression == PARQUET:
                 out = _ParquetStaging(out, self.spec.schema)
         except OSError as e:
@@ -487,6 +504,7 @@ class LaneReceiver:
                     out.close()  # flushes: a full disk may say so only now
                     out = None
                 with self._cond:
+                    self._unsealed(what)
                     kept = partial is not None and self.book.completed(
                         header.partition, header.attempt, trailer.rows
                     )

@@ -189,6 +189,8 @@ class RegisteredLane:
             )
             teller.start()
             teller.join(END_NOTICE + 1.0)
+        if receiver is not None:
+            receiver.seal()  # no partition lands in the folder removed next
         self._remove_staging()
         self.ended.set()
         os._exit(0)

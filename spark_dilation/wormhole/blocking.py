@@ -77,7 +77,7 @@ def run_and_wait(
 
 
 class _HeldSignals:
-    """From creation to :meth:`release`, SIGINT and SIGTERM for a Python handler are
+    """From creation to :meth:`release`, SIGINT, SIGTERM and SIGHUP for a Python handler are
     recorded instead of run; ``release`` puts the handlers back and runs them for
     what arrived (in the main thread; elsewhere signals do not arrive anyway)."""
 
@@ -87,7 +87,7 @@ class _HeldSignals:
         self._released = False
         if threading.current_thread() is not threading.main_thread():
             return
-        for s in (signal.SIGINT, signal.SIGTERM):
+        for s in (signal.SIGINT, signal.SIGTERM, signal.SIGHUP):
             handler = signal.getsignal(s)
             if callable(handler):
                 self._handlers[s] = handler
