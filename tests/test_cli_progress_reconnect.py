@@ -30,7 +30,10 @@ from test_cli import Running, assert_ok, wait_while_running
 from test_cli_dataset import json_lines, procs, receive_cmd, send_cmd  # noqa: F401 (procs)
 from test_dilation_redial import Restartable, relay_url
 
+from spark_dilation.testing import TcpProxy
+
 PARTS = 4
+RATE = 8e6  # bytes/s through the relay proxy: the 28 MB take about 3.5 s
 ROWS = 200_000  # per file: about 7 MB, so one partition is far from done at its first bytes
 
 
@@ -139,3 +142,54 @@ def test_relay_killed_mid_transfer_shows_reconnects_in_json_and_plain_output(
     ]
     assert came_back, received.describe()
     assert re.search(r": [1-9]\d* reconnect\(s\) so far$", came_back[-1]), came_back
+
+
+def test_mailbox_lost_for_good_mid_transfer_costs_nothing(
+    relay: Restartable,
+    procs: Callable[..., Running],  # noqa: F811 (the fixture imported above)
+    tmp_path: Path,
+    monkeypatch: Any,
+) -> None:
+    """Once the data connections are up the mailbox is not needed: killed for good
+    mid-transfer, both sides still finish, the rows exact, with no traceback."""
+    tables = source(tmp_path / "src")
+    tmp = tmp_path / "tmp"
+    tmp.mkdir()
+    monkeypatch.setenv("TMPDIR", str(tmp))
+    mailbox = Restartable()  # a mailbox server of its own, to kill (its relay unused)
+    mailbox.start()
+    # The relay through a rate-limited proxy: the transfer is still under way when it dies.
+    proxy = TcpProxy("127.0.0.1", relay.relay_port)
+    proxy.limit_rate(RATE)
+    try:
+        url = f"ws://127.0.0.1:{mailbox.mailbox_port}/v1"
+        hint = f"tcp:127.0.0.1:{proxy.port}"
+        flags = ("--no-listen", "--compression", "none")
+        sender = procs(send_cmd(url, hint, *flags, str(tmp_path / "src")))
+        code = sender.wait_for_code()
+        receiver = procs(receive_cmd(url, hint, "--no-listen", code, "-o", str(tmp_path / "out")))
+        wait_while_running(
+            "staged bytes",
+            lambda: any(p.stat().st_size > 0 for p in staged(tmp, ".*.partial")),
+            sender,
+            receiver,
+        )
+        mailbox.kill()
+        assert len(staged(tmp, "p*.arrow")) < PARTS, "every partition had arrived"
+        sent = sender.finish()
+        received = receiver.finish()
+    finally:
+        mailbox.kill()
+        proxy.close()
+    for result in (sent, received):
+        assert_ok(result)
+        raw = [
+            line
+            for line in result.stderr.splitlines()
+            if line.split(" ", 1)[0] in ("Traceback", "CRITICAL", "ERROR", "WARNING", "INFO")
+        ]
+        assert raw == [], result.describe()  # no traceback, no raw log line
+    files = sorted((tmp_path / "out").iterdir())
+    assert [f.name for f in files] == [f"part-{i:05d}.parquet" for i in range(PARTS)]
+    for table, file in zip(tables, files, strict=True):
+        assert pq.read_table(file).equals(table), file

@@ -326,7 +326,9 @@ class DatasetSender:
         stats = connections.stats(spec.transfer_id)
         try:
             # Answered once the receiver has the data where it asked, or with its error.
-            manifest, control = deliver_manifest(spec, committed)
+            # On the connections that carried the data: no new meeting, so the mailbox
+            # is not needed to finish.
+            manifest, control = deliver_manifest(spec, committed, connections)
         finally:
             connections.close_transfer(spec.transfer_id)
         return TransferReport(

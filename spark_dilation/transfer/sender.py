@@ -586,10 +586,11 @@ def deliver_control(
     Returns how many Dilation connections it opened (one per lane, more if a
     lane went away meanwhile), which the transfer report counts.
 
-    Runs in a fresh process (Spark's commit()/abort() worker) or at the end of
-    the Python API's send, with a pool of its own (one connection per lane,
-    in parallel), or in the sender host with the host's pool (``connections``,
-    whose connections the partitions used; it is closed afterwards).
+    Runs in a fresh process (Spark's commit()/abort() worker) with a pool of
+    its own (one connection per lane, in parallel), or with the pool whose
+    connections the partitions used (``connections``: the Python API's send,
+    the sender host), closed afterwards. The latter needs no new meeting, so no
+    mailbox: a mailbox lost mid-transfer does not cost the transfer.
     """
     errors: list[BaseException] = []
     deadline = time.monotonic() + timeout

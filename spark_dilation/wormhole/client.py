@@ -385,11 +385,10 @@ class Wormhole:
             if id(self._reactor) in _shutting_down:
                 log.info("the mailbox connection closed as this process exits")
             elif not self._stopping:
-                # At process exit the reactor drops every connection: no news.
-                exiting = getattr(self._reactor, "_stopped", False)
-                (log.info if exiting else log.warning)(
-                    "lost the mailbox connection (%s); reconnecting", reason
-                )
+                # Info, not a warning: it reconnects on its own, a transfer whose data
+                # connections are up no longer needs it, and a wait that does need it
+                # fails by its own deadline with the cause (no raw line over the bars).
+                log.info("lost the mailbox connection (%s); reconnecting", reason)
         elif not self._ever_connected and not self._stopping:
             # The TCP connection worked but it never became a mailbox WebSocket.
             self._abort(ServerConnectionError(self._url, reason))
@@ -502,7 +501,8 @@ class Wormhole:
     def _close_timed_out(self) -> None:
         self._timers.pop("close", None)
         if not self._closed.done:
-            log.warning("the mailbox server did not confirm our close; giving up on it")
+            # Info: the mailbox may be gone for good, and this side is done with it.
+            log.info("the mailbox server did not confirm our close; giving up on it")
             self._stop_connection()
             self._finished(self._core.result)
 
