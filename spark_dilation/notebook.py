@@ -336,7 +336,8 @@ def _send_spark(df: Any, code: str | None, options: dict[str, Any]) -> SendHandl
     mailbox = _spark_options(options).get("mailbox")
 
     def cancel() -> None:
-        _refuse_own_code(code, mailbox)  # a writer still waiting for its receiver
+        # A writer still waiting for its receiver (or still starting: wait for it).
+        _refuse_own_code(code, mailbox, handle._finished)
         if can_tag:
             spark.interruptTag(tag)  # Spark jobs already running
 
@@ -346,21 +347,23 @@ def _send_spark(df: Any, code: str | None, options: dict[str, Any]) -> SendHandl
 
 
 CANCEL_REASON = "the sender cancelled the send"
-REFUSE_TIMEOUT = 15.0  # seconds the refusing wormhole waits for the writer's
 
 
-def _refuse_own_code(code: str, mailbox: str | None) -> None:
+def _refuse_own_code(code: str, mailbox: str | None, ended: threading.Event) -> None:
     """Open our own code as a receiver and refuse the offer, in the background.
 
     A Spark writer waits for its receiver inside Spark's planning, where
     ``interruptTag`` does not reach (no job runs yet); this makes it fail at
     once with ``the other side abandoned the transfer: the sender cancelled
     the send``. If the real receiver is already there, the mailbox refuses
-    this third party (crowded) and nothing changes.
+    this third party (crowded) and nothing changes. It waits for the writer
+    until the send has ended (``ended``): a writer whose planning is slow to
+    start (a loaded machine) would otherwise find the code free and wait for
+    a receiver until its own ``peer_timeout``.
     """
     import contextlib
 
-    from twisted.internet import defer
+    from twisted.internet import defer, threads
 
     from .errors import DilationError
     from .transfer.options import TransferOptions
@@ -379,8 +382,11 @@ def _refuse_own_code(code: str, mailbox: str | None) -> None:
             options.mailbox_url,
             reactor,
             app_versions=session_versions(SESSION_RECEIVER),
-            timeout=REFUSE_TIMEOUT,
         )
+        # The send ended some other way: stop waiting (close() fails the wait below).
+        watch = threads.deferToThread(ended.wait)
+        watch.addCallback(lambda _: defer.ensureDeferred(w.close()))
+        watch.addErrback(lambda _: None)
         try:
             w.set_code(code)
             await w.get_verifier()

@@ -37,6 +37,7 @@ from __future__ import annotations
 import contextlib
 import logging
 import os
+import struct
 import threading
 import time
 import uuid
@@ -75,6 +76,7 @@ from .protocol import (
     decode_message,
     encode_json,
     failure_answer,
+    ipc_rows,
 )
 from .rendezvous import Paired, RendezvousCancelled, dilate_paired, meet, sender_set
 from .report import is_connecting, is_reconnecting, path_of, reconnects_of
@@ -126,6 +128,10 @@ class LaneReceiver:
         # Set (under _cond) before the staging folder is removed: no stream creates or
         # renames a file in it after that, so removing it leaves nothing behind.
         self._sealed = False
+        # Progress: rows and wire bytes of the partitions kept, and of the streams
+        # arriving now, counted per message (not when a partition completes).
+        self._kept_rows = self._kept_bytes = 0
+        self._arriving: dict[tuple[int, int], tuple[int, int]] = {}
         # Meeting by introduction: one door per sender the directory named.
         self.epoch = epoch
         self._doors = LaneDoors(lane, epoch)
@@ -246,6 +252,12 @@ class LaneReceiver:
             confirmed.wait(0.05)
         self._finish(error)
         return "confirmed" if confirmed.is_set() else "sent" if sent.is_set() else ""
+
+    def arrived(self) -> tuple[int, int]:
+        """(rows, wire bytes) this lane has: kept partitions and streams under way."""
+        with self._cond:
+            rows = self._kept_rows + sum(r for r, _ in self._arriving.values())
+            return rows, self._kept_bytes + sum(b for _, b in self._arriving.values())
 
     def live_stats(self) -> tuple[int, int, list[str], int, int]:
         """(connections made, reconnects, paths, reconnecting now, connecting now)."""
@@ -464,6 +476,7 @@ class LaneReceiver:
         wait = self.spec.options.reconnect_timeout
         assembler = PartitionAssembler(header)
         partial = None if discard else self.staging.partial_path(header.partition, header.attempt)
+        key, rows = (header.partition, header.attempt), 0
         what = f"partition {header.partition}"
         try:
             with self._cond:
@@ -490,6 +503,9 @@ class LaneReceiver:
                         except OSError as e:
                             root = self.spec.options.staging_root
                             raise staging_error(self.lane, what, e, root) from e
+                        rows = out.rows if isinstance(out, _ParquetStaging) else rows + _rows(body)
+                        with self._cond:
+                            self._arriving[key] = (rows, assembler.bytes)
                     self._touch()
                 elif tag == TAG_TRAILER:
                     trailer = Trailer.from_body(body)
@@ -512,6 +528,9 @@ class LaneReceiver:
                         assert partial is not None
                         os.replace(partial, self.staging.complete_path(header.partition))
                         partial = None
+                        self._kept_rows += trailer.rows
+                        self._kept_bytes += assembler.bytes
+                    self._arriving.pop(key, None)
                     self._cond.notify_all()
             except OSError as e:
                 raise staging_error(self.lane, what, e, self.spec.options.staging_root) from e
@@ -531,6 +550,8 @@ class LaneReceiver:
                 log.info("%s", e)
                 self._finish(e)
         finally:
+            with self._cond:
+                self._arriving.pop(key, None)  # a dropped attempt no longer counts
             if out is not None:
                 with contextlib.suppress(OSError):  # its error is already on its way
                     out.close()
@@ -687,6 +708,15 @@ def lane_connection_statuses() -> list[Any]:
             with contextlib.suppress(DilationError):
                 statuses.append(conn.status())
     return statuses
+
+
+def _rows(body: bytes | memoryview) -> int:
+    """Rows in a ``D`` message, for progress only: a damaged one counts none (the
+    trailer's check fails the stream)."""
+    try:
+        return ipc_rows(body)
+    except (ProtocolError, struct.error, IndexError):
+        return 0
 
 
 class _ParquetStaging:

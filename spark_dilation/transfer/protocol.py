@@ -29,6 +29,7 @@ from __future__ import annotations
 import base64
 import hashlib
 import json
+import struct
 import zlib
 from collections.abc import Iterable, Iterator
 from dataclasses import asdict, dataclass
@@ -604,6 +605,50 @@ class PartitionEncoder:
 
 
 # --- partition stream: lane side ---------------------------------------------------------
+
+
+_I32 = struct.Struct("<i")
+_U32 = struct.Struct("<I")
+_U16 = struct.Struct("<H")
+_I64 = struct.Struct("<q")
+_RECORD_BATCH = 3  # MessageHeader union: NONE, Schema, DictionaryBatch, RecordBatch, ...
+
+
+def _table_field(buf: memoryview, table: int, index: int) -> int:
+    """Where field ``index`` of the flatbuffer table at ``table`` is, or 0 if absent."""
+    vtable = table - _I32.unpack_from(buf, table)[0]
+    vtable_size = _U16.unpack_from(buf, vtable)[0]
+    if 4 + 2 * index >= vtable_size:
+        return 0
+    offset = _U16.unpack_from(buf, vtable + 4 + 2 * index)[0]
+    return table + offset if offset else 0
+
+
+def ipc_rows(payload: bytes | memoryview) -> int:
+    """The rows of the record batches in ``payload``: whole Arrow IPC stream messages,
+    as a ``D`` message of a non-Parquet partition holds. Only the messages' metadata
+    (flatbuffers) is read: no body is decoded or decompressed, so the lane counts
+    rows as they arrive for the price of a few struct reads."""
+    buf = memoryview(payload).cast("B")
+    rows, pos = 0, 0
+    while pos + 8 <= len(buf):
+        if _I32.unpack_from(buf, pos)[0] != -1:
+            raise ProtocolError("not an Arrow IPC message")
+        size = _I32.unpack_from(buf, pos + 4)[0]
+        if size == 0:  # end of stream
+            break
+        meta = buf[pos + 8 : pos + 8 + size]
+        message = _U32.unpack_from(meta, 0)[0]
+        kind_at = _table_field(meta, message, 1)
+        body_at = _table_field(meta, message, 3)
+        body = _I64.unpack_from(meta, body_at)[0] if body_at else 0
+        if kind_at and meta[kind_at] == _RECORD_BATCH:
+            header_at = _table_field(meta, message, 2)
+            batch = header_at + _U32.unpack_from(meta, header_at)[0]
+            length_at = _table_field(meta, batch, 0)
+            rows += _I64.unpack_from(meta, length_at)[0] if length_at else 0
+        pos += 8 + size + body
+    return rows
 
 
 @dataclass

@@ -142,9 +142,12 @@ def merge_relay_fallbacks(stats: Iterable[ConnectionStats]) -> int:
 class Progress:
     """A snapshot of a transfer under way, for progress bars and scripts.
 
-    ``rows``/``bytes`` count what has been handed to the connection (sender)
-    or staged (receiver) so far; ``total_rows`` is known when the source says
-    cheaply (a table, Parquet or Arrow files), ``total_bytes`` for plain files.
+    ``rows``/``bytes`` count what the receiver has so far, in wire bytes (the
+    summary's measure): on the sending side the bytes the lanes acknowledged and
+    the rows in their share of what was sent, on the receiving side the rows and
+    bytes of the messages arrived (kept partitions and streams under way).
+    ``total_rows`` is known when the source says cheaply (a table, Parquet or
+    Arrow files), ``total_bytes`` for plain files.
     ``path``, ``connections`` and ``reconnects`` describe the live Dilation
     (or Transit) connections, ``reconnecting`` that one is down and being
     re-established right now; ``done`` marks the last snapshot.

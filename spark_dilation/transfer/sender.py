@@ -413,6 +413,21 @@ class ConnectionPool:
             process_name(), opened, reconnects, tuple(paths), reconnecting, fallbacks, connecting
         )
 
+    def link_bytes(self, transfer_id: str) -> tuple[int, int]:
+        """(bytes the lanes acknowledged, bytes sent and not yet acknowledged) on the
+        transfer's live connections, Dilation framing included."""
+        with self._lock:
+            conns = [c for (t, _), c in self._conns.items() if t == transfer_id]
+        acked = queued = 0
+        for c in conns:
+            try:
+                status = c.status()
+            except DilationError:
+                continue
+            acked += status.acked_bytes
+            queued += status.queued_bytes
+        return acked, queued
+
     def close_transfer(self, transfer_id: str, linger: float = 2.0) -> None:
         """Close the transfer's connections (in parallel; ``linger``: see BlockingDilation)
         and end its meetings under way (each closes its wormhole on the mailbox)."""
