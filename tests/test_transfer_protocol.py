@@ -24,6 +24,7 @@ from spark_dilation.transfer.protocol import (
     Trailer,
     decode_message,
     decode_session_message,
+    ipc_rows,
     lane_of,
     schema_fingerprint,
     split_batch,
@@ -297,3 +298,16 @@ def test_abort_either_way_names_its_side_and_reads_an_older_peer() -> None:
     # An older sender's abort: {"reason": ...} alone, or an empty reason.
     assert Abort.from_body({"reason": "job failed"}) == Abort("job failed", False)
     assert Abort.from_body({"reason": ""}).text("sender").endswith(": no reason given")
+
+
+@pytest.mark.parametrize("compression", ["none", "lz4", "zstd"])
+def test_ipc_rows_counts_each_message_without_decoding_it(compression: str) -> None:
+    t = table(10_000)
+    encoder = PartitionEncoder(t.schema, compression)
+    counts = [ipc_rows(m[1:]) for b in t.to_batches(3_000) for m in encoder.encode(b)]
+    *last, trailer = encoder.finish()
+    counts += [ipc_rows(m[1:]) for m in last]
+    assert counts == [3_000, 3_000, 3_000, 1_000, 0]  # the first also holds the schema
+    assert decode_message(trailer)[1]["rows"] == sum(counts)
+    with pytest.raises(ProtocolError, match="not an Arrow IPC message"):
+        ipc_rows(b"\x00" * 16)
