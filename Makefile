@@ -28,10 +28,11 @@ check-java:
 	@sh conf/check-java.sh
 
 # The suite runs on TEST_WORKERS pytest-xdist workers: many tests wait on timers
-# and networks, so 3 workers keep 2 cores busy (4 overloaded them: Spark clusters
-# took 4x longer to start). loadgroup keeps the namespace clusters' tests on one
-# worker (one set of clusters at a time) and Spark Connect's on one (port 15002).
-TEST_WORKERS ?= 3
+# and networks, so more workers than cores keep 2 cores busy (measured on 2 cores:
+# 3 workers 1374 s, 4 workers 1280 s). loadgroup keeps the namespace clusters'
+# tests on one worker (one set of clusters at a time) and Spark Connect's on one
+# (port 15002).
+TEST_WORKERS ?= 4
 
 test: venv bytecode check-java
 	$(PY) -m ruff check .
