@@ -71,6 +71,9 @@ class RegisteredLane:
         self.spec, self.lane, self.staging = spec, lane, staging
         self.receiver: LaneReceiver | None = None
         self.ended = threading.Event()
+        # Set before this host removes its own staging: the copy watch must not take
+        # that removal for a deletion under it and exit the process half-way through.
+        self.removing = threading.Event()
         self.launcher = launcher  # the read task's Python worker (or registry) that started it
 
     def run(self) -> int:
@@ -107,7 +110,8 @@ class RegisteredLane:
             registry.report(done)
         log.info("lane %d: %s; serving until the application ends", self.lane, error or "complete")
         while not self.ended.wait(STAGING_CHECK):
-            if error is None and self.staging.manifest() is None:
+            # The manifest first, then the flag: our own removal sets it before it starts.
+            if error is None and self.staging.manifest() is None and not self.removing.is_set():
                 # Deleted under us (a temp cleaner, a user). Leave: the registry then
                 # drops this copy, and with the last one gone the next action fails
                 # "cannot heal" at once. Remove nothing: the directory may be a new
@@ -176,6 +180,7 @@ class RegisteredLane:
 
     def _application_ended(self, why: str) -> None:
         log.info("lane %d: the registry's link ended (%s): removing the staging", self.lane, why)
+        self.removing.set()
         receiver = self.receiver
         if receiver is not None and not receiver.finished:
             # Still receiving: tell the senders the true cause (else they wait out
