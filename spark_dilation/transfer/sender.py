@@ -393,17 +393,22 @@ class ConnectionPool:
         if current is not None:
             threading.Thread(target=_quiet_close, args=(current,), daemon=True).start()
 
-    def stats(self, transfer_id: str) -> ConnectionStats:
+    def _statuses(self, transfer_id: str) -> list[Any]:
+        """The status of each of the transfer's pooled connections still answering."""
         with self._lock:
             conns = [c for (t, _), c in self._conns.items() if t == transfer_id]
+        statuses = []
+        for c in conns:
+            with contextlib.suppress(DilationError):
+                statuses.append(c.status())
+        return statuses
+
+    def stats(self, transfer_id: str) -> ConnectionStats:
+        with self._lock:
             opened = self.opened.get(transfer_id, 0)
         paths: list[str] = []
         reconnects = reconnecting = connecting = fallbacks = 0
-        for c in conns:
-            try:
-                status = c.status()
-            except DilationError:
-                continue
+        for status in self._statuses(transfer_id):
             paths.append(path_of(status.connection))
             reconnects += reconnects_of(status)
             reconnecting += is_reconnecting(status)
@@ -416,17 +421,8 @@ class ConnectionPool:
     def link_bytes(self, transfer_id: str) -> tuple[int, int]:
         """(bytes the lanes acknowledged, bytes sent and not yet acknowledged) on the
         transfer's live connections, Dilation framing included."""
-        with self._lock:
-            conns = [c for (t, _), c in self._conns.items() if t == transfer_id]
-        acked = queued = 0
-        for c in conns:
-            try:
-                status = c.status()
-            except DilationError:
-                continue
-            acked += status.acked_bytes
-            queued += status.queued_bytes
-        return acked, queued
+        statuses = self._statuses(transfer_id)
+        return sum(s.acked_bytes for s in statuses), sum(s.queued_bytes for s in statuses)
 
     def close_transfer(self, transfer_id: str, linger: float = 2.0) -> None:
         """Close the transfer's connections (in parallel; ``linger``: see BlockingDilation)
@@ -652,11 +648,7 @@ def deliver_control(
         workers = [threading.Thread(target=one, args=(lane,), daemon=True) for lane in targets]
         for w in workers:
             w.start()
-        while not confirmed.is_set() and any(w.is_alive() for w in workers):
-            if time.monotonic() > deadline + 1.0:
-                break
-            confirmed.wait(0.05)
-        if confirmed.is_set():
+        if _first_confirmed(confirmed, workers, deadline):
             return 0
         raise errors[0] if errors else LaneLostError(f"no lane confirmed {what} in {timeout:g} s")
     with ThreadPoolExecutor(max_workers=max(1, min(16, len(targets)))) as ex:
@@ -666,6 +658,18 @@ def deliver_control(
     if errors:
         raise errors[0]
     return opened
+
+
+def _first_confirmed(
+    confirmed: threading.Event, threads: list[threading.Thread], deadline: float
+) -> bool:
+    """Wait until ``confirmed`` is set, every thread has ended, or a second past
+    ``deadline`` (the threads' own bound); whether it was set."""
+    while not confirmed.is_set() and any(t.is_alive() for t in threads):
+        if time.monotonic() > deadline + 1.0:
+            break
+        confirmed.wait(0.05)
+    return confirmed.is_set()
 
 
 def deliver_manifest(
@@ -767,11 +771,8 @@ def _abort_soonest(
                 threading.Thread(target=tell, args=(fresh,), daemon=True, name="abort-fresh")
             )
             racers[1].start()
-        while not done.is_set() and any(t.is_alive() for t in racers):
-            if time.monotonic() > deadline + 1.0:
-                break
-            done.wait(0.05)
+        confirmed = _first_confirmed(done, racers, deadline)
     finally:
         fresh.close_transfer(spec.transfer_id, linger=0.0)
-    if not done.is_set():
+    if not confirmed:
         raise errors[0] if errors else TimeoutError(f"no lane confirmed the abort in {timeout:g} s")
