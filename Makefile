@@ -34,9 +34,14 @@ check-java:
 # (port 15002).
 TEST_WORKERS ?= 4
 
+# SPARK_DILATION_JVM_ARCHIVE: a folder for a class-data archive of Spark's classes
+# (spark_dilation/testing/jvm_archive.py), built in the background on the first run
+# for each JDK and PySpark: each test JVM's start-up then takes about half the CPU.
+JVM_ARCHIVE_DIR ?= build/jvm
+
 test: venv bytecode check-java
 	$(PY) -m ruff check .
-	$(PY) -m pytest -n $(TEST_WORKERS) --dist loadgroup
+	SPARK_DILATION_JVM_ARCHIVE=$(JVM_ARCHIVE_DIR) $(PY) -m pytest -n $(TEST_WORKERS) --dist loadgroup
 
 # The inner loop: lint and the tests that need no Spark, no server processes and
 # no processes of their own (about a minute).

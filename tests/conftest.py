@@ -3,11 +3,15 @@
 from __future__ import annotations
 
 import os
+import signal
 import sys
 from collections.abc import Callable, Iterator
+from pathlib import Path
 from typing import Any
 
 import pytest
+
+from spark_dilation.testing import jvm_archive
 
 pytest_plugins = [
     "spark_dilation.testing.fixtures",
@@ -21,12 +25,15 @@ pytest_plugins = [
 # workers), get none. tests/test_cli_habits.py unsets it to test the default.
 os.environ.setdefault("SPARK_DILATION_RELAY", "none")
 
-# Every JVM of the run (Spark drivers, executors, standalone daemons) is short-lived
-# and small: the C1 compiler alone and the serial collector cut its start-up CPU
-# (measured: a two-application Spark transfer test 65 s -> 50 s), which is what a
-# 2-core machine running the suite on several workers runs out of. Each JVM
-# notes "Picked up JAVA_TOOL_OPTIONS" on its stderr.
-os.environ.setdefault("JAVA_TOOL_OPTIONS", "-XX:TieredStopAtLevel=1 -XX:+UseSerialGC")
+# Every JVM of the run (Spark drivers, executors, Connect servers) is short-lived
+# and small: jvm_archive.BASE cuts its start-up CPU, and the class-data archive
+# `make test` builds (jvm_archive) about halves it again; that CPU is what a 2-core
+# machine running the suite on several workers runs out of. Each JVM notes
+# "Picked up JAVA_TOOL_OPTIONS" on its stderr.
+if "JAVA_TOOL_OPTIONS" not in os.environ:  # set once, by the controller
+    _archive_dir = os.environ.get(jvm_archive.ENV)
+    _archive = jvm_archive.archive_path(Path(_archive_dir)) if _archive_dir else None
+    os.environ["JAVA_TOOL_OPTIONS"] = f"{jvm_archive.BASE} {jvm_archive.java_options(_archive)}"
 
 # `make check` runs the tests marked neither way: no Spark, no server processes,
 # no processes of their own. A test is "integration" if it uses one of these
@@ -65,6 +72,24 @@ INTEGRATION_MODULES = frozenset(
         "test_wormhole_interop",
     }
 )
+
+
+_archive_build: Any = None
+
+
+def pytest_configure(config: pytest.Config) -> None:
+    """The controller builds the JVM archive while the first tests run (if missing)."""
+    global _archive_build
+    folder = os.environ.get(jvm_archive.ENV)
+    if folder and not hasattr(config, "workerinput"):
+        _archive_build = jvm_archive.start_build(Path(folder))
+
+
+def pytest_unconfigure(config: pytest.Config) -> None:
+    if _archive_build is not None and _archive_build.poll() is None:
+        # A run shorter than the build: it and its JVM go (no half archive is kept).
+        os.killpg(_archive_build.pid, signal.SIGKILL)
+        _archive_build.wait()
 
 
 def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:

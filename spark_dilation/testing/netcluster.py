@@ -26,9 +26,10 @@ Every machine has a directory ``/tmp/sdnc-<id>/<machine>/`` with ``tmp/``,
 ``TMPDIR``, ``SPARK_LOCAL_DIRS``, ``SPARK_WORKER_DIR``, ``SPARK_LOCAL_IP`` and
 ``SPARK_LOCAL_HOSTNAME`` (the namespaces share one hostname, so Spark must not
 resolve it), ``SPARK_DILATION_MACHINE`` (``"a1"``: which machine ran what),
-``PYSPARK_PYTHON`` (this interpreter), ``JAVA_TOOL_OPTIONS`` with
-``-Djava.io.tmpdir`` (the JVMs' temp files, executors included, stay on their
-machine), ``SPARK_DILATION_MAILBOX``/``SPARK_DILATION_RELAY`` (the services).
+``PYSPARK_PYTHON`` (this interpreter), ``JAVA_TOOL_OPTIONS``: this process's
+(the test run's start-up flags) and ``-Djava.io.tmpdir`` (the JVMs' temp files,
+executors included, stay on their machine),
+``SPARK_DILATION_MAILBOX``/``SPARK_DILATION_RELAY`` (the services).
 Executors and their Python workers inherit the Worker's environment, so a
 task sees its own machine's values; ``tests/test_netcluster.py`` checks it.
 
@@ -856,13 +857,13 @@ class NetClusters:
         env.update(
             {
                 "SPARK_HOME": str(self.spark_home),
-                "SPARK_CONF_DIR": str(self.run_dir / "conf"),
                 "SPARK_DAEMON_MEMORY": "256m",
                 "SPARK_DAEMON_JAVA_OPTS": "-XX:+UseSerialGC",
                 # A Worker lost without closing its connection is noticed in 15 s, not 60.
                 "SPARK_MASTER_OPTS": "-Dspark.worker.timeout=15",
-                "JAVA_TOOL_OPTIONS": f"-Djava.io.tmpdir={mdir / 'tmp'} "
-                "-Djava.net.preferIPv4Stack=true",
+                # The run's JVM flags (tests/conftest.py: start-up CPU), then the machine's.
+                "JAVA_TOOL_OPTIONS": f"{os.environ.get('JAVA_TOOL_OPTIONS', '')} "
+                f"-Djava.io.tmpdir={mdir / 'tmp'} -Djava.net.preferIPv4Stack=true".strip(),
                 "TMPDIR": str(mdir / "tmp"),
                 "SPARK_LOCAL_DIRS": str(mdir / "local"),
                 "SPARK_WORKER_DIR": str(mdir / "work"),
@@ -892,7 +893,6 @@ class NetClusters:
     def _build(self, workers: int, servers: bool, timeout: float) -> None:
         deadline = time.monotonic() + timeout
         log = self._log
-        (self.run_dir / "conf").mkdir(parents=True, exist_ok=True)
         _run(["ip", "link", "set", "lo", "up"], log)
         _run(["ip", "addr", "add", f"{self.services_ip}/32", "dev", "lo"], log)
         for name, third in (("a", 3 * self.slot + 1), ("b", 3 * self.slot + 2)):
