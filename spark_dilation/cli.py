@@ -563,7 +563,7 @@ def send_classic(
 
 
 def receive(args: argparse.Namespace, reporter: Reporter) -> None:
-    from .transfer.api import RECEIVE_FORMATS
+    from .transfer.options import RECEIVE_FORMATS
 
     if args.format not in RECEIVE_FORMATS:
         raise ValueError(f"--format {args.format}: choose {', '.join(RECEIVE_FORMATS)}")
@@ -645,9 +645,7 @@ def receive_session_or_classic(
     reactor: Any, args: argparse.Namespace, out: TextIO, err: TextIO, reporter: Reporter
 ) -> Any:
     """Open the code: agree on a dataset (returns (spec, dest)), or take a text or file (None)."""
-    from .transfer.api import format_refusal
     from .transfer.protocol import PROTOCOL, SESSION_RECEIVER, session_versions
-    from .transfer.session import accept_offer
 
     w = yield _open(reactor, args, err, app_versions=session_versions(SESSION_RECEIVER))
 
@@ -676,6 +674,10 @@ def receive_session_or_classic(
         yield w.get_verifier()
         versions = yield w.get_versions()
         if PROTOCOL in versions:
+            # pyarrow's dataset layer takes most of a second to import: after the prompt.
+            from .transfer.api import format_refusal
+            from .transfer.session import accept_offer
+
             dest = _dataset_dest(args, code)
 
             def check(schema: Any) -> str | None:
@@ -721,7 +723,10 @@ def receive_session_or_classic(
             if reporter.mode == "json":
                 reporter.emit("text", message=result.message)
             else:
-                out.write(result.message + "\n")
+                # The reference sends `--text -` with stdin's trailing newline;
+                # end the line once, not twice.
+                text = result.message
+                out.write(text if text.endswith("\n") else text + "\n")
                 out.flush()
         else:
             reporter.emit(

@@ -407,6 +407,27 @@ def test_ours_receive_reads_the_code_from_stdin(
     assert_ok(sent)
 
 
+@pytest.mark.parametrize(
+    ("receiver", "printed"),
+    [(ours, "piped line\n"), (ref, "piped line\\n\n")],
+    ids=["ours-receives", "ref-receives"],
+)
+def test_text_from_stdin_keeps_its_newline_as_the_reference_does(
+    mailbox_url: str, background: Callable[..., Running], receiver: Any, printed: str
+) -> None:
+    """`send --text -` sends stdin as it is, trailing newline included (as `wormhole send`
+    does): the reference receiver shows it escaped; ours ends the line once, not twice."""
+    code = new_code()
+    received = background(receiver(mailbox_url, "receive", code))
+    sent = run(ours(mailbox_url, "send", "--text", "-", "--code", code), stdin="piped line\n")
+    got = received.finish()
+
+    assert_ok(sent)
+    assert "Reading text message from stdin.." in sent.stderr, sent.describe()
+    assert_ok(got)
+    assert got.stdout == printed, got.describe()
+
+
 def test_ours_receive_without_any_code_fails(mailbox_url: str) -> None:
     result = run(ours(mailbox_url, "receive"), stdin="")
     assert "no code given" in only_error_line(result), result.describe()

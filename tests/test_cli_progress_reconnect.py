@@ -142,6 +142,9 @@ def test_relay_killed_mid_transfer_shows_reconnects_in_json_and_plain_output(
     ]
     assert came_back, received.describe()
     assert re.search(r": [1-9]\d* reconnect\(s\) so far$", came_back[-1]), came_back
+    # Both summaries count the reconnects that happened (not "0 reconnect(s)").
+    summary = [ln for ln in received.stderr.splitlines() if ln.startswith("Dataset received: ")]
+    assert summary and re.search(r"\b[1-9]\d* reconnect\(s\)", summary[-1]), received.describe()
 
 
 def test_mailbox_lost_for_good_mid_transfer_costs_nothing(

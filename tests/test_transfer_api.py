@@ -234,6 +234,10 @@ def test_a_sender_killed_without_a_word_ends_the_receiver_after_reconnect_timeou
     took = time.monotonic() - killed
     print(f"the receiver ended {took:.1f} s after the sender was killed: {box}")
     assert isinstance(box.get("error"), LaneIdleError), box
-    assert "lost the sender: no connection for 5 s (reconnect_timeout=)" in str(box["error"])
+    # Redial's give-up text, reconnect_timeout named once and spelled for this API.
+    message = str(box["error"])
+    assert "lost the sender: Dilation lost the connection" in message, message
+    assert "within 5 s (reconnect_timeout=)" in message, message
+    assert message.count("reconnect_timeout") == 2, message  # "(...)" and "raise ..."
     assert took < 60, took  # 5 s reconnect_timeout, then the lane ends (idle_timeout: 600 s)
     assert not list(staging.glob("*/lane-*")), list(staging.rglob("*"))

@@ -41,7 +41,7 @@ from ..errors import Interrupted, TransferCancelledError, TransferError, interru
 from . import codec
 from .hub import SenderHub
 from .lane import LaneReceiver, lane_receiver
-from .options import TransferOptions
+from .options import RECEIVE_FORMATS, TransferOptions
 from .protocol import Abort, CommittedPartition, Manifest
 from .rendezvous import ReadingEnd, forget, sender_set
 from .report import Progress, TransferReport, combine_paths
@@ -571,9 +571,6 @@ class ReceivedDataset:
     schema: pa.Schema
     table: pa.Table | None = None
     files: list[Path] = field(default_factory=list)
-
-
-RECEIVE_FORMATS = ("parquet", "arrow", "csv")
 
 
 def format_refusal(schema: pa.Schema, format: str) -> str | None:

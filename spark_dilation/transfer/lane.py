@@ -49,7 +49,7 @@ import pyarrow as pa
 import pyarrow.ipc as ipc
 
 from ..dilation.blocking import DilationClosed, DilationTimeout, SubchannelClosed
-from ..dilation.manager import DilationNoPath
+from ..dilation.manager import DilationNoPath, DilationReconnectFailed
 from ..errors import DilationError, TransferError
 from .directory import Door, LaneDoors
 from .pqformat import FORMAT as PARQUET
@@ -253,6 +253,20 @@ class LaneReceiver:
         self._finish(error)
         return "confirmed" if confirmed.is_set() else "sent" if sent.is_set() else ""
 
+    def _lost_sender_message(self, gave_up: BaseException) -> str:
+        """Redial's give-up text already says what was tried and names reconnect_timeout:
+        say it once, spelled as the user gives options."""
+        spelled = self.spec.options.spelled("reconnect_timeout")
+        if isinstance(gave_up, DilationReconnectFailed):
+            return f"lane {self.lane} lost the sender: " + str(gave_up).replace(
+                "reconnect_timeout", spelled
+            )
+        limit = self.spec.options.reconnect_timeout
+        return (
+            f"lane {self.lane} lost the sender: no connection for {limit:g} s ({spelled}): "
+            f"{gave_up}"
+        )
+
     def arrived(self) -> tuple[int, int]:
         """(rows, wire bytes) this lane has: kept partitions and streams under way."""
         with self._cond:
@@ -299,11 +313,7 @@ class LaneReceiver:
                     # back within reconnect_timeout: the sender ended without a word
                     # (killed, machine lost) or the network between us is down.
                     self.finished = True
-                    limit = self.spec.options.reconnect_timeout
-                    self.error = LaneIdleError(
-                        f"lane {self.lane} lost the sender: no connection for {limit:g} s "
-                        f"({self.spec.options.spelled('reconnect_timeout')}): {self.gave_up}"
-                    )
+                    self.error = LaneIdleError(self._lost_sender_message(self.gave_up))
                 elif quiet > idle and not busy and not self.finished:
                     self.finished = True
                     self.error = LaneIdleError(

@@ -25,6 +25,8 @@ COMPRESSIONS = ("none", "lz4", "zstd")
 # "parquet": the partition format of transfer/pqformat.py, where the receiver
 # decodes it (else zstd).
 COMPRESSION_OPTIONS = ("auto", *COMPRESSIONS, "parquet")
+RECEIVE_FORMATS = ("parquet", "arrow", "csv")
+"""What a received dataset can be written as (the CLI checks it before the code is used)."""
 EARLY_LANES = ("auto", "true", "false")
 SURFACES = ("python", "spark", "cli")
 # The CLI's flags for the options it exposes under another name.
