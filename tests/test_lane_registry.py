@@ -80,6 +80,28 @@ def test_registry_rules() -> None:
     assert reg2.claim(0, host("b"), complete=False)["do"] == "error"
 
 
+def test_cannot_heal_names_how_each_copy_went() -> None:
+    """A copy deleted under its lane host (which says so before it leaves) is not blamed
+    on a lost machine; copies that went both ways are each named."""
+    reg = LaneRegistry(2)
+    for lane in (0, 1):
+        reg.claim(lane, host("a"), complete=False)
+        reg.done(lane, host("a"))
+    reg.claim(1, host("b"), complete=False)
+    reg.done(1, host("b"))  # lane 1: a second copy on machine-b
+    reg.deleted(0, host("a"))
+    reg.deleted(1, host("a"))
+    reg.gone("a")
+    message = reg.claim(0, host("c"), complete=False)["error"]["message"]
+    assert "on machine-a: its staged copy was deleted under its lane host" in message, message
+    assert "machine lost" not in message, message
+    assert reg.lanes[1].state == DONE  # machine-b still holds lane 1
+    reg.gone("b")  # machine-b lost
+    message = reg.claim(1, host("c"), complete=False)["error"]["message"]
+    assert "on machine-a: its staged copy was deleted" in message, message
+    assert "on machine-b: its lane host ended: machine lost or process killed" in message
+
+
 def test_registry_hosts_a_lane_nobody_claims_and_again_when_its_receiver_goes() -> None:
     """The registry receives a lane no read task claimed within the grace period; when
     that receiver (or any lane's receiver) goes before the lane is done and no task

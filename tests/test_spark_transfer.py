@@ -477,6 +477,11 @@ def test_staging_deleted_then_another_action_cannot_heal(
         took = time.monotonic() - started
         print(f"the action after the staging was deleted failed in {took:.1f} s: {failed}")
         assert "cannot heal" in failed.get("error", ""), failed
+        # The cause named is the deletion, not a lost machine or a killed process.
+        assert "machine lost" not in failed["error"], failed
+        assert "deleted under its lane host" in failed["error"] or (
+            "staged data of partition" in failed["error"]
+        ), failed
         assert reader.step("stop")["action"] == "stop"
         assert reader.proc.wait(60) == 0
         wait_until(

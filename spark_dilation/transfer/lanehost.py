@@ -120,6 +120,7 @@ class RegisteredLane:
                     "lane %d: its staged copy in %s is gone; this host leaves",
                     self.lane, self.staging.dir,
                 )  # fmt: skip
+                registry.report({"deleted": self.lane})  # the cause, for the lane's error
                 os._exit(0)
         server.close()
         return 0

@@ -15,6 +15,7 @@ Frames (:mod:`.boxlink`, JSON)::
 
     lane host -> registry: {"claim": L, "host": HostInfo, "complete": bool}   answer {"do": ...}
                            {"done": L} | {"failed": L, "error": record} | {"ping": 1}
+                           {"deleted": L} (its staged copy was deleted under it; it leaves)
     registry -> lane host: {"do": ...} (answers, in order; "receive" names the lane's
                            epoch) | {"senders": [ids]} | {"ping": 1}
 
@@ -188,6 +189,8 @@ class ReaderHost:
                         self._received(message)
                     elif "failed" in message and host is not None:
                         self.registry.failed(int(message["failed"]), host, message["error"])
+                    elif "deleted" in message and host is not None:
+                        self.registry.deleted(int(message["deleted"]), host)
                     log.info("%s: %s", message, self.registry.snapshot())
         except (LinkError, ValueError, KeyError) as e:
             if not self.stopping.is_set():

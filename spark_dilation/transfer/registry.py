@@ -33,6 +33,7 @@ never waits for a task slot. A lane the registry failed to host
 
 from __future__ import annotations
 
+from collections.abc import Collection
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -79,6 +80,7 @@ class LaneEntry:
     receiver: HostInfo | None = None
     replicas: dict[str, HostInfo] = field(default_factory=dict)
     lost: list[str] = field(default_factory=list)  # machines whose copy went away
+    deleted: set[str] = field(default_factory=set)  # ... of those, deleted under their host
     error: dict[str, str] | None = None  # an error_record (hostlink.error_record)
     claimed: bool = False  # claimed since its last receiver went (else the registry hosts it)
     left_at: float | None = None  # when its last receiver went
@@ -89,16 +91,29 @@ class LaneEntry:
     epoch: int = -1
 
 
-def cannot_heal_record(lane: int, machines: list[str]) -> dict[str, str]:
-    where = ", ".join(sorted(set(machines))) or "its machine"
+def cannot_heal_record(
+    lane: int, machines: list[str], deleted: Collection[str] = ()
+) -> dict[str, str]:
+    """The error of a lane whose every copy went; each machine's copy named by how it went:
+    deleted under its lane host (a temp cleaner, a user), or its host ended with it."""
+    gone = sorted(set(machines)) or ["its machine"]
+    ways = {
+        "deleted": [m for m in gone if m in deleted],
+        "ended": [m for m in gone if m not in deleted],
+    }
+    why = {
+        "deleted": "its staged copy was deleted under its lane host (a temp cleaner, a user)",
+        "ended": "its lane host ended: machine lost or process killed",
+    }
+    where = "; ".join(f"on {', '.join(ms)}: {why[way]}" for way, ms in ways.items() if ms)
     return {
         "type": "CannotHealError",
         "module": "spark_dilation.transfer.staging",
         "message": (
-            f"lane {lane} cannot heal: every copy of its staged rows is gone (held on {where}, "
-            "whose lane host ended: machine lost or process killed), and the sender has "
-            "finished. Nothing was emitted twice or lost silently; load the DataFrame again "
-            "from a new transfer (a new code), or cache() it after load() next time"
+            f"lane {lane} cannot heal: every copy of its staged rows is gone ({where}), and the "
+            "sender has finished. Nothing was emitted twice or lost silently; load the "
+            "DataFrame again from a new transfer (a new code), or cache() it after load() "
+            "next time"
         ),
     }
 
@@ -206,6 +221,11 @@ class LaneRegistry:
                 if other.state != FAILED:
                     other.state, other.receiver, other.error = FAILED, None, error
 
+    def deleted(self, lane: int, host: HostInfo) -> None:
+        """The host found its staged copy of ``lane`` deleted under it; it leaves next
+        (:meth:`gone`), and the lane's error then says how that copy went."""
+        self._entry(lane).deleted.add(host.machine)
+
     def gone(self, host_id: str, now: float = 0.0) -> None:
         """A host's connection ended: it died, or its machine was lost.
 
@@ -221,7 +241,7 @@ class LaneRegistry:
                 entry.lost.append(lost.machine)
                 if entry.state == DONE and not entry.replicas:
                     entry.state = FAILED
-                    entry.error = cannot_heal_record(lane, entry.lost)
+                    entry.error = cannot_heal_record(lane, entry.lost, entry.deleted)
 
     def epochs(self) -> dict[int, int]:
         """The epoch of every lane ever received: what the reading end publishes."""
