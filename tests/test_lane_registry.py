@@ -102,6 +102,31 @@ def test_cannot_heal_names_how_each_copy_went() -> None:
     assert "on machine-b: its lane host ended: machine lost or process killed" in message
 
 
+def test_a_lanes_own_failure_wins_over_the_abort_in_either_order() -> None:
+    """A lane that cannot stage declares it before telling the senders; the abort it sets
+    off fails every lane, and every lane's error is the declared cause however the two
+    reach the registry (the abort's lane host may report first)."""
+    full = {"type": "StagingError", "module": "m", "message": "lane 1 ...: No space left"}
+    abort = {"type": "TransferAbortedError", "module": "m", "message": "the sender aborted"}
+    for order in ("cause first", "abort first"):
+        reg = LaneRegistry(3)
+        for lane in range(3):
+            reg.claim(lane, host(f"h{lane}"), complete=False)
+        if order == "cause first":
+            assert reg.own_failure(1, host("h1"), full) == full
+            reg.failed(0, host("h0"), abort)
+        else:
+            reg.failed(0, host("h0"), abort)
+            assert reg.own_failure(1, host("h1"), full) == full
+        assert [reg.lanes[lane].error for lane in range(3)] == [full] * 3, order
+        assert reg.claim(2, host("h9"), complete=False) == {"do": "error", "error": full}
+    # A later lane's own failure does not replace the first.
+    reg = LaneRegistry(2)
+    reg.own_failure(0, host("a"), full)
+    other = {**full, "message": "lane 0 ... Permission denied"}
+    assert reg.own_failure(1, host("b"), other) == full
+
+
 def test_registry_hosts_a_lane_nobody_claims_and_again_when_its_receiver_goes() -> None:
     """The registry receives a lane no read task claimed within the grace period; when
     that receiver (or any lane's receiver) goes before the lane is done and no task

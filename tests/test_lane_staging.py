@@ -1,7 +1,11 @@
 """The lane's staging folder: once sealed (its owner removes it next), no stream
 creates or renames a file in it, so removing it leaves nothing behind (a partition
 completing as the reading application ends once left `lane-N/` files after the
-removal). A fake channel plays the stream and seals at the moment of the race."""
+removal). A fake channel plays the stream and seals at the moment of the race.
+
+And the true cause of an end wins: a lane that cannot stage declares it before it
+tells the sender, and another lane that the sender's abort then ends takes that
+cause, not "the sender aborted" (a Spark reader once showed the abort)."""
 
 from __future__ import annotations
 
@@ -12,12 +16,18 @@ import pyarrow as pa
 import pytest
 
 from spark_dilation.errors import TransferError
-from spark_dilation.transfer.lane import LaneReceiver
+from spark_dilation.transfer.lane import LaneReceiver, LocalCauses
 from spark_dilation.transfer.options import TransferOptions
 from spark_dilation.transfer.partition import PartitionStream
-from spark_dilation.transfer.protocol import TAG_TRAILER, decode_message, schema_bytes
+from spark_dilation.transfer.protocol import (
+    TAG_ERROR,
+    TAG_TRAILER,
+    Abort,
+    decode_message,
+    schema_bytes,
+)
 from spark_dilation.transfer.spec import TransferSpec
-from spark_dilation.transfer.staging import LaneStaging
+from spark_dilation.transfer.staging import LaneStaging, StagingError, TransferAbortedError
 
 TABLE = pa.table({"id": pa.array(range(1000), pa.int64())})
 
@@ -43,15 +53,17 @@ class Channel:
         self.sent.append(message)
 
 
-def lane(tmp_path: Path) -> tuple[LaneReceiver, LaneStaging, list[bytes]]:
+def lane(
+    tmp_path: Path, number: int = 0, lanes: int = 1, causes: Any = None
+) -> tuple[LaneReceiver, LaneStaging, list[bytes]]:
     spec = TransferSpec(
-        "cd" * 16, b"s" * 32, 1, schema_bytes(TABLE.schema), "none",
+        "cd" * 16, b"s" * 32, lanes, schema_bytes(TABLE.schema), "none",
         TransferOptions(staging_dir=str(tmp_path)),
     )  # fmt: skip
-    staging = LaneStaging(tmp_path, spec.transfer_id, 0)
+    staging = LaneStaging(tmp_path, spec.transfer_id, number)
     staging.ensure()
-    messages = list(PartitionStream(spec, 0, 0).messages(TABLE.to_batches(250)))
-    return LaneReceiver(spec, 0, staging, -1), staging, messages
+    messages = list(PartitionStream(spec, number, 0).messages(TABLE.to_batches(250)))
+    return LaneReceiver(spec, number, staging, -1, causes=causes), staging, messages
 
 
 def test_a_partition_completes_into_the_staging(tmp_path: Path) -> None:
@@ -79,3 +91,56 @@ def test_a_partition_starting_after_the_seal_creates_no_file(tmp_path: Path) -> 
     with pytest.raises(TransferError, match="was not kept"):
         receiver._partition(Channel(messages))
     assert list(staging.dir.iterdir()) == []
+
+
+class Recording(LocalCauses):
+    """LocalCauses that also logs each declaration next to what the channels sent."""
+
+    def __init__(self, log: list[str]) -> None:
+        super().__init__()
+        self.log = log
+
+    def cause(self, lane: int, own: BaseException | None = None) -> BaseException | None:
+        if own is not None:
+            self.log.append(f"lane {lane} declared")
+        return super().cause(lane, own)
+
+
+class LoggingChannel(Channel):
+    def __init__(self, messages: list[bytes], log: list[str], name: str) -> None:
+        super().__init__(messages)
+        self.log, self.name = log, name
+
+    def send(self, message: bytes, timeout: float | None = None) -> None:
+        self.log.append(f"{self.name} sent {decode_message(message)[0]!r}")
+        super().send(message, timeout)
+
+
+def unstageable(staging: LaneStaging) -> None:
+    """The lane's folder is a file now: opening a partial file fails (as a full disk does)."""
+    staging.dir.rmdir()
+    staging.dir.write_text("not a folder")
+
+
+def test_the_staging_failure_is_the_cause_on_every_lane(tmp_path: Path) -> None:
+    log: list[str] = []
+    causes = Recording(log)
+    failing, failing_staging, messages = lane(tmp_path, 1, lanes=2, causes=causes)
+    healthy, _, _ = lane(tmp_path, 0, lanes=2, causes=causes)
+    unstageable(failing_staging)
+    # Lane 1 cannot stage: it declares the failure, then tells the sender ("E").
+    failing._partition(LoggingChannel(messages, log, "lane 1"))
+    assert log == ["lane 1 declared", f"lane 1 sent {TAG_ERROR!r}"]
+    assert isinstance(failing.failure, StagingError)
+    # The sender's job fails and it aborts the transfer: lane 0 ends with lane 1's cause.
+    abort = Abort("the Spark job writing the dataset failed").encode()
+    healthy._control(LoggingChannel([abort], log, "lane 0"))
+    assert healthy.finished and healthy.error is failing.failure, healthy.error
+    assert "could not stage" in str(healthy.error), healthy.error
+
+
+def test_an_abort_with_no_failure_behind_it_is_the_abort(tmp_path: Path) -> None:
+    healthy, _, _ = lane(tmp_path, 0, lanes=2, causes=LocalCauses())
+    healthy._control(Channel([Abort("cancelled by the user").encode()]))
+    assert isinstance(healthy.error, TransferAbortedError), healthy.error
+    assert "the sender aborted the transfer" in str(healthy.error)

@@ -40,7 +40,7 @@ from ..dilation.manager import DilationNoPath
 from ..errors import Interrupted, TransferCancelledError, TransferError, interrupt_cause
 from . import codec
 from .hub import SenderHub
-from .lane import LaneReceiver, lane_receiver
+from .lane import LaneReceiver, LocalCauses, lane_receiver
 from .options import RECEIVE_FORMATS, TransferOptions
 from .protocol import Abort, CommittedPartition, Manifest
 from .rendezvous import ReadingEnd, forget, sender_set
@@ -655,7 +655,8 @@ ANSWER_WAIT = 10.0  # seconds a lane gets to send the manifest's answer before i
 
 
 def _start_lanes(spec: TransferSpec, delivery: _Delivery) -> list[LaneReceiver]:
-    found = [lane_receiver(spec, lane, delivery.wait) for lane in range(spec.lanes)]
+    causes = LocalCauses()  # the true cause of an end wins on every lane
+    found = [lane_receiver(spec, lane, delivery.wait, causes) for lane in range(spec.lanes)]
     receivers = [r for r in found if r is not None]
     if len(receivers) < len(found):
         for other in receivers:

@@ -42,7 +42,7 @@ import threading
 import time
 import uuid
 from collections.abc import Callable
-from typing import Any
+from typing import Any, Protocol
 
 import crochet
 import pyarrow as pa
@@ -104,6 +104,27 @@ class DeliveryError(TransferError):
     """The receiver could not put the data where it was asked (``before_ok``'s answer)."""
 
 
+class Causes(Protocol):
+    """Where the reading side's lanes meet on the true cause of a transfer's end."""
+
+    def cause(self, lane: int, own: BaseException | None = None) -> BaseException | None:
+        """Declare ``own`` (this lane's own failure, if given); the first one declared."""
+
+
+class LocalCauses:
+    """:class:`Causes` for lanes in one process (the Python API, the CLI)."""
+
+    def __init__(self) -> None:
+        self._first: BaseException | None = None
+        self._lock = threading.Lock()
+
+    def cause(self, lane: int, own: BaseException | None = None) -> BaseException | None:
+        with self._lock:
+            if self._first is None:
+                self._first = own
+            return self._first
+
+
 class LaneReceiver:
     """The background receiver of one lane in this process (see the module docstring)."""
 
@@ -115,9 +136,13 @@ class LaneReceiver:
         lock_fd: int,
         before_ok: Callable[[], str | None] | None = None,
         epoch: int = 0,
+        causes: Causes | None = None,
     ) -> None:
         self.spec = spec
         self.lane = lane
+        # The true cause wins: a lane declares its own failure here before it tells
+        # the senders, and a lane the senders' abort ends takes the cause from here.
+        self.causes = causes
         self.staging = staging
         self.incarnation = uuid.uuid4().hex[:12]
         self.book = LaneBook(spec.transfer_id, lane, spec.lanes, spec.fingerprint)
@@ -324,6 +349,29 @@ class LaneReceiver:
                     )
             return self.error
 
+    def _own_failure(self, e: StagingError) -> StagingError:
+        """Keep the lane's first own failure; declare it before the senders hear of it."""
+        with self._cond:
+            first = self.failure is None
+            self.failure = self.failure or e
+            self._cond.notify_all()
+        if first and self.causes is not None:
+            try:
+                self.causes.cause(self.lane, e)
+            except Exception as why:  # the senders must hear of it anyway
+                log.info("lane %d: could not declare its failure: %s", self.lane, why)
+        return self.failure
+
+    def _cause(self) -> BaseException | None:
+        """This lane's own failure, else another lane's declared one (None: none)."""
+        if self.failure is not None or self.causes is None:
+            return self.failure
+        try:
+            return self.causes.cause(self.lane)
+        except Exception as why:
+            log.info("lane %d: could not ask for the transfer's cause: %s", self.lane, why)
+            return None
+
     def _finish(self, error: BaseException | None = None) -> None:
         with self._cond:
             if self.finished:
@@ -473,9 +521,7 @@ class LaneReceiver:
                 # Not transient (disk full, no permission): say why, so the sender
                 # fails with the cause instead of sending it again.
                 log.info("%s", e)
-                with self._cond:
-                    self.failure = self.failure or e
-                    self._cond.notify_all()
+                self._own_failure(e)
                 channel.send(failure_answer(f"the receiver failed: {self.failure}"))
         finally:
             with self._cond:
@@ -585,7 +631,7 @@ class LaneReceiver:
             try:
                 error: BaseException | None = self._check_done(finish=False)
             except StagingError as e:
-                error = self.failure = self.failure or e
+                error = self._own_failure(e)
             if error is None and self.failure is not None:
                 error = self.failure
             if error is None and self.before_ok is not None:
@@ -610,8 +656,9 @@ class LaneReceiver:
             with self._cond:
                 self.book.aborted = abort.text("sender")
             channel.send(encode_json(TAG_OK, {}))
-            # After a staging failure the abort is its echo: the lane's error is the cause.
-            self._finish(self.failure or TransferAbortedError(abort.text("sender")))
+            # After a staging failure, here or on another lane, the abort is its echo:
+            # the lane's error is that cause.
+            self._finish(self._cause() or TransferAbortedError(abort.text("sender")))
         else:
             channel.send(encode_json(TAG_ERROR, {"error": f"unexpected {tag!r}"}))
 
@@ -682,7 +729,10 @@ _receivers: dict[tuple[str, int], LaneReceiver] = {}
 
 
 def lane_receiver(
-    spec: TransferSpec, lane: int, before_ok: Callable[[], str | None] | None = None
+    spec: TransferSpec,
+    lane: int,
+    before_ok: Callable[[], str | None] | None = None,
+    causes: Causes | None = None,
 ) -> LaneReceiver | None:
     """This process's receiver of ``lane``, started if this process wins the lane's lock.
 
@@ -700,7 +750,7 @@ def lane_receiver(
             return None
         if current is not None:
             _receivers.pop(key, None)
-        receiver = LaneReceiver(spec, lane, staging, fd, before_ok)
+        receiver = LaneReceiver(spec, lane, staging, fd, before_ok, causes=causes)
         _receivers[key] = receiver
         receiver.start()
         return receiver

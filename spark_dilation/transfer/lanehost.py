@@ -143,7 +143,9 @@ class RegisteredLane:
                 return rebuild_error(answer["error"])
             if action == "receive":
                 epoch = int(answer.get("epoch", 0))
-                receiver = LaneReceiver(self.spec, self.lane, self.staging, fd, epoch=epoch)
+                receiver = LaneReceiver(
+                    self.spec, self.lane, self.staging, fd, epoch=epoch, causes=registry
+                )
                 self.receiver = receiver
                 receiver.start()
                 error = receiver.wait_finished()

@@ -51,6 +51,7 @@ from .staging import ERROR_FILE, LaneStaging
 log = logging.getLogger(__name__)
 
 REGISTRY_CONNECT = 10.0  # seconds to reach the registry on the driver's machine
+CAUSE_WAIT = 5.0  # seconds a failing lane waits for the registry to note its cause
 FOLLOW_POLL = 0.05  # how often a served copy looks for newly staged partitions
 MACHINE_ENV = "SPARK_DILATION_MACHINE"  # a name for this machine in messages (else hostname)
 
@@ -80,6 +81,7 @@ class RegistryLink:
                 "ended, the DataFrame is gone with it: load the dataset again"
             ) from e
         self._answers: queue.Queue[dict[str, Any]] = queue.Queue()
+        self._asking = threading.Lock()  # one request and its answer at a time
         self._on_lost = on_lost
         from .rendezvous import sender_set
 
@@ -89,13 +91,38 @@ class RegistryLink:
         keep_alive(self.link, PING, self.lost)
 
     def claim(self, lane: int, host: HostInfo, complete: bool) -> dict[str, Any]:
-        self.link.send_json({"claim": lane, "host": host.to_json(), "complete": complete})
-        while True:
-            try:
-                return self._answers.get(timeout=0.5)
-            except queue.Empty:
-                if self.lost.is_set():
-                    raise LinkError("the lane registry went away") from None
+        return self._request({"claim": lane, "host": host.to_json(), "complete": complete}, "do")
+
+    def cause(self, lane: int, own: BaseException | None = None) -> BaseException | None:
+        """The transfer's true cause (a lane's own failure), declaring ``own`` first if given:
+        the registry knows it before this lane tells the senders (registry.own_failure)."""
+        from .hostlink import error_record, rebuild_error
+
+        record = error_record(own) if own is not None else None
+        found = self._request({"cause": lane, "own": record}, "cause", CAUSE_WAIT)["cause"]
+        return rebuild_error(found) if found is not None else None
+
+    def _request(
+        self, message: dict[str, Any], key: str, timeout: float | None = None
+    ) -> dict[str, Any]:
+        """Send ``message``; the registry's answer, the one holding ``key`` (one request at
+        a time; an answer that came after its request gave up is dropped)."""
+        deadline = None if timeout is None else time.monotonic() + timeout
+        with self._asking:
+            self.link.send_json(message)
+            while True:
+                try:
+                    answer = self._answers.get(timeout=0.5)
+                except queue.Empty:
+                    if self.lost.is_set():
+                        raise LinkError("the lane registry went away") from None
+                    if deadline is not None and time.monotonic() > deadline:
+                        raise LinkError(
+                            f"the lane registry did not answer in {timeout:g} s"
+                        ) from None
+                    continue
+                if key in answer:
+                    return answer
 
     def report(self, message: dict[str, Any]) -> None:
         with contextlib.suppress(LinkError):

@@ -16,6 +16,9 @@ Frames (:mod:`.boxlink`, JSON)::
     lane host -> registry: {"claim": L, "host": HostInfo, "complete": bool}   answer {"do": ...}
                            {"done": L} | {"failed": L, "error": record} | {"ping": 1}
                            {"deleted": L} (its staged copy was deleted under it; it leaves)
+                           {"cause": L, "own": record|null}   answer {"cause": record|null}
+                           (a lane's own failure, declared before it tells the senders;
+                           the transfer's cause, if any: :meth:`LaneRegistry.own_failure`)
     registry -> lane host: {"do": ...} (answers, in order; "receive" names the lane's
                            epoch) | {"senders": [ids]} | {"ping": 1}
 
@@ -191,6 +194,10 @@ class ReaderHost:
                         self.registry.failed(int(message["failed"]), host, message["error"])
                     elif "deleted" in message and host is not None:
                         self.registry.deleted(int(message["deleted"]), host)
+                    elif "cause" in message and host is not None:
+                        if message.get("own") is not None:
+                            self.registry.own_failure(int(message["cause"]), host, message["own"])
+                        link.send_json({"cause": self.registry.cause})
                     log.info("%s: %s", message, self.registry.snapshot())
         except (LinkError, ValueError, KeyError) as e:
             if not self.stopping.is_set():

@@ -29,6 +29,11 @@ A lane in NONE that no host claims for a grace period after the first claim
 (:meth:`LaneRegistry.unclaimed`, :meth:`LaneRegistry.hosting`): the sender
 never waits for a task slot. A lane the registry failed to host
 :data:`HOSTING_ATTEMPTS` times fails.
+
+The true cause wins: a lane that fails by itself (its staging disk full) declares
+it here (:meth:`LaneRegistry.own_failure`) before it tells the senders, so the
+abort that follows, on any other lane, finds it: every lane's error is that
+cause, not "the sender aborted", in whatever order the two arrive.
 """
 
 from __future__ import annotations
@@ -124,6 +129,9 @@ class LaneRegistry:
     def __init__(self, lanes: int) -> None:
         self.lanes = [LaneEntry() for _ in range(lanes)]
         self.first_claim: float | None = None
+        # The first failure a lane declared its own before telling the senders: the
+        # true cause of the transfer's end, which wins over the aborts it set off.
+        self.cause: dict[str, str] | None = None
 
     def unclaimed(self, now: float, grace: float) -> list[int]:
         """Lanes nobody claimed ``grace`` seconds after the first claim: the reader's action
@@ -220,6 +228,21 @@ class LaneRegistry:
             for other in self.lanes:
                 if other.state != FAILED:
                     other.state, other.receiver, other.error = FAILED, None, error
+        if self.cause is not None:
+            # The true cause wins over the aborts it set off, whichever came first.
+            for other in self.lanes:
+                if other.state == FAILED and other.error is not None:
+                    if other.error.get("type") == "TransferAbortedError":
+                        other.error = self.cause
+
+    def own_failure(self, lane: int, host: HostInfo, error: dict[str, str]) -> dict[str, str]:
+        """A lane failed by itself (disk full, ...) and tells the senders next; their abort
+        then reaches the other lanes. The first such failure is the transfer's cause:
+        every lane's error is it, not the abort. Returns it."""
+        if self.cause is None:
+            self.cause = error
+        self.failed(lane, host, error)
+        return self.cause
 
     def deleted(self, lane: int, host: HostInfo) -> None:
         """The host found its staged copy of ``lane`` deleted under it; it leaves next
