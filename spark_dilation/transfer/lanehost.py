@@ -110,8 +110,7 @@ class RegisteredLane:
             registry.report(done)
         log.info("lane %d: %s; serving until the application ends", self.lane, error or "complete")
         while not self.ended.wait(STAGING_CHECK):
-            # The manifest first, then the flag: our own removal sets it before it starts.
-            if error is None and self.staging.manifest() is None and not self.removing.is_set():
+            if error is None and self.copy_deleted():
                 # Deleted under us (a temp cleaner, a user). Leave: the registry then
                 # drops this copy, and with the last one gone the next action fails
                 # "cannot heal" at once. Remove nothing: the directory may be a new
@@ -180,6 +179,13 @@ class RegisteredLane:
         deadline = time.monotonic() + ORPHAN_LINGER
         while time.monotonic() < deadline and alive(self.launcher):
             time.sleep(0.2)
+
+    def copy_deleted(self) -> bool:
+        """Whether the complete staged copy went under this host (a temp cleaner, a user),
+        not by this host's own removal (the application ended). The manifest first, then
+        the flag: the removal sets the flag before it deletes anything, so however the
+        two interleave, a read that misses the manifest then sees the flag."""
+        return self.staging.manifest() is None and not self.removing.is_set()
 
     def _application_ended(self, why: str) -> None:
         log.info("lane %d: the registry's link ended (%s): removing the staging", self.lane, why)
