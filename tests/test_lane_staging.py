@@ -9,6 +9,8 @@ cause, not "the sender aborted" (a Spark reader once showed the abort)."""
 
 from __future__ import annotations
 
+import os
+import threading
 from pathlib import Path
 from typing import Any
 
@@ -17,6 +19,7 @@ import pytest
 
 from spark_dilation.errors import TransferError
 from spark_dilation.transfer.lane import LaneReceiver, LocalCauses
+from spark_dilation.transfer.lifetime import try_lock
 from spark_dilation.transfer.options import TransferOptions
 from spark_dilation.transfer.partition import PartitionStream
 from spark_dilation.transfer.protocol import (
@@ -27,7 +30,13 @@ from spark_dilation.transfer.protocol import (
     schema_bytes,
 )
 from spark_dilation.transfer.spec import TransferSpec
-from spark_dilation.transfer.staging import LaneStaging, StagingError, TransferAbortedError
+from spark_dilation.transfer.staging import (
+    LaneStaging,
+    StagingError,
+    TransferAbortedError,
+    host_alive,
+    take_lane_lock,
+)
 
 TABLE = pa.table({"id": pa.array(range(1000), pa.int64())})
 
@@ -144,3 +153,26 @@ def test_an_abort_with_no_failure_behind_it_is_the_abort(tmp_path: Path) -> None
     healthy._control(Channel([Abort("cancelled by the user").encode()]))
     assert isinstance(healthy.error, TransferAbortedError), healthy.error
     assert "the sender aborted the transfer" in str(healthy.error)
+
+
+def test_a_host_starting_during_a_probe_still_takes_the_lane(tmp_path: Path) -> None:
+    """host_alive() takes the lane's lock for an instant; a host that starts in that
+    instant must not take the probe for a live host and leave (a clean-clone run saw
+    "its receiver process exited with code 0")."""
+    staging = LaneStaging(tmp_path, "ab" * 16, 0)
+    staging.ensure()
+    probe = try_lock(staging.dir / ".lock")  # the read task's probe, mid-way
+    assert probe is not None
+    threading.Timer(0.1, os.close, args=(probe,)).start()  # ... which lets go
+    fd = take_lane_lock(staging)
+    assert fd is not None, "the probe was taken for a live host"
+    assert host_alive(staging)  # and the host holds the lane now
+    os.close(fd)
+
+
+def test_a_live_host_keeps_the_lane(tmp_path: Path) -> None:
+    staging = LaneStaging(tmp_path, "ab" * 16, 0)
+    held = take_lane_lock(staging)
+    assert held is not None
+    assert take_lane_lock(staging, patience=0.2) is None  # another host leaves
+    os.close(held)

@@ -13,6 +13,7 @@ from __future__ import annotations
 import contextlib
 import json
 import os
+import time
 import uuid
 from collections.abc import Iterator
 from pathlib import Path
@@ -145,10 +146,26 @@ def rows_of(path: Path) -> int:
         return sum(b.num_rows for b in ipc.open_stream(source))
 
 
-def take_lane_lock(staging: LaneStaging) -> int | None:
-    """The lane's lock on this machine (its file descriptor), or None if a process holds it."""
+PROBE_PATIENCE = 2.0
+"""Seconds a new lane host keeps trying for the lane's lock: see :func:`take_lane_lock`."""
+
+
+def take_lane_lock(staging: LaneStaging, patience: float = PROBE_PATIENCE) -> int | None:
+    """The lane's lock on this machine (its file descriptor), or None if a process holds it.
+
+    A read task's :func:`host_alive` takes the lock for the instant of two system
+    calls. A host starting in that instant once took the probe for a live host and
+    left, and its read task failed ("its receiver process exited with code 0"). So
+    the lock is tried again until ``patience`` has passed: a probe has let go long
+    before; a live host holds it for good.
+    """
     staging.ensure()
-    return try_lock(staging.dir / ".lock")
+    deadline = time.monotonic() + patience
+    while True:
+        fd = try_lock(staging.dir / ".lock")
+        if fd is not None or time.monotonic() >= deadline:
+            return fd
+        time.sleep(0.02)
 
 
 def write_host_error(staging: LaneStaging, error: BaseException) -> None:
