@@ -12,36 +12,24 @@ from __future__ import annotations
 
 import argparse
 import json
-import os
-import pty
-import select
-import signal
 import statistics
 import sys
 import time
 from pathlib import Path
 
 from spark_dilation.testing import running_servers
+from spark_dilation.testing.terminal import Terminal
 
-PROMPT = b"Enter receive wormhole code"
+PROMPT = "Enter receive wormhole code"
 
 
 def time_to_prompt(argv: list[str], timeout: float = 30.0) -> float:
-    pid, fd = pty.fork()
-    if pid == 0:  # the child: the command on the terminal
-        os.execv(argv[0], argv)
-    started, seen = time.monotonic(), b""
+    started = time.monotonic()
+    term = Terminal(argv).start()
     try:
-        while PROMPT not in seen:
-            if time.monotonic() - started > timeout:
-                raise SystemExit(f"no prompt within {timeout:g} s from {argv}: {seen[-300:]!r}")
-            if select.select([fd], [], [], 0.02)[0]:
-                seen += os.read(fd, 4096)
-        return time.monotonic() - started
+        return term.wait_for(PROMPT, timeout) - started
     finally:
-        os.kill(pid, signal.SIGKILL)
-        os.waitpid(pid, 0)
-        os.close(fd)
+        term.kill()
 
 
 def main() -> None:

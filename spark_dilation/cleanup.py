@@ -29,7 +29,7 @@ from pathlib import Path
 from typing import TextIO
 
 from .cli_progress import size_text
-from .transfer.lifetime import alive, try_lock
+from .transfer.lifetime import alive, lock_held
 
 KEEP_PREFIXES = ("receive-",)  # received files a user may still read
 
@@ -120,10 +120,8 @@ def scan(root: Path, open_paths: Sequence[str] | None = None) -> list[Entry]:
 def _live(directory: Path, open_paths: Sequence[str]) -> str | None:
     """Why ``directory`` is in use, or None if its owners are gone."""
     for lock in directory.rglob(".lock"):
-        fd = try_lock(lock)
-        if fd is None:
+        if lock_held(lock):  # probed without taking it: a helper may be starting
             return f"locked by a running process ({lock.relative_to(directory)})"
-        os.close(fd)  # we got it: nobody holds it
     for pid_file in directory.rglob("host.pid"):
         try:
             pid = int(pid_file.read_text().strip())

@@ -63,6 +63,7 @@ INTEGRATION_MODULES = frozenset(
         "test_receive_errors",
         "test_sender_host",
         "test_spark_connect",
+        "test_spark_faults",
         "test_spark_files",
         "test_spark_locality",
         "test_spark_transfer",

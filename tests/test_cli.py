@@ -119,6 +119,8 @@ class Running:
         )
         self._stdout: list[str] = []
         self._stderr: list[str] = []
+        # (time.monotonic() when read, line): when the process said what it said.
+        self.stamped: list[tuple[float, str]] = []
         self._stderr_lines: queue.Queue[str | None] = queue.Queue()
         self._readers = [
             threading.Thread(target=self._read_stdout, daemon=True),
@@ -134,6 +136,7 @@ class Running:
     def _read_stderr(self) -> None:
         assert self.proc.stderr is not None
         for line in self.proc.stderr:
+            self.stamped.append((time.monotonic(), line))
             self._stderr.append(line)
             self._stderr_lines.put(line)
         self._stderr_lines.put(None)

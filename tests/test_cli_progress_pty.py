@@ -14,28 +14,18 @@ time; the test then reads the bars as a user would:
 
 from __future__ import annotations
 
-import fcntl
-import os
-import pty
 import re
-import select
-import signal
-import struct
-import termios
-import threading
-import time
 from collections.abc import Iterator
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-import numpy as np
-import pyarrow as pa
-import pyarrow.parquet as pq
 import pytest
 from test_cli import OURS, TIMEOUT, child_env
 
-from spark_dilation.testing import TcpProxy
+from spark_dilation.testing import throttled_relay
+from spark_dilation.testing.datasets import incompressible_parts
+from spark_dilation.testing.terminal import Terminal
 from spark_dilation.testing.waiting import wait_until
 
 RATE = 2e6  # bytes/s through the relay proxy
@@ -44,66 +34,6 @@ ROWS = 150_000  # per file: about 5 MB of incompressible rows; 20 MB take about 
 CODE_RE = re.compile(r"Wormhole code is: (\S+)")
 BAR_RE = re.compile(r"(sending|receiving):\s+(\d+)%\|[^|]*\|\s*([^\[]*)\[([^<\]]+)<([^,\]]+)")
 SIZE_RE = re.compile(r"([\d,.]+) (B|kB|MB|GB)\b")
-
-
-@dataclass
-class Terminal:
-    """A command on a pseudo-terminal; what it shows is kept with arrival times."""
-
-    argv: list[str]
-    env: dict[str, str]
-    shown: list[tuple[float, str]] = field(default_factory=list)
-
-    def start(self) -> None:
-        self.pid, self.fd = pty.fork()
-        if self.pid == 0:  # the child: the command, its stdio on the terminal
-            os.execve(self.argv[0], self.argv, self.env)
-        # 160 columns: tqdm draws the whole bar, postfix included.
-        fcntl.ioctl(self.fd, termios.TIOCSWINSZ, struct.pack("HHHH", 40, 160, 0, 0))
-        self.status: int | None = None
-        self._reader = threading.Thread(target=self._read, daemon=True)
-        self._reader.start()
-
-    def _read(self) -> None:
-        while True:
-            if not select.select([self.fd], [], [], 0.1)[0]:
-                continue
-            try:
-                chunk = os.read(self.fd, 65536)
-            except OSError:  # the child closed the terminal (exited)
-                return
-            if not chunk:
-                return
-            self.shown.append((time.monotonic(), chunk.decode(errors="replace")))
-
-    def text(self) -> str:
-        return "".join(chunk for _, chunk in self.shown)
-
-    def pieces(self) -> list[tuple[float, str]]:
-        """Each line or bar redraw (tqdm redraws a bar after a carriage return), timed."""
-        out = []
-        for t, chunk in self.shown:
-            out += [(t, p) for p in re.split(r"[\r\n]+", chunk) if p.strip()]
-        return out
-
-    def wait(self, timeout: float) -> int:
-        deadline = time.monotonic() + timeout
-        while self.status is None:
-            pid, status = os.waitpid(self.pid, os.WNOHANG)
-            if pid:
-                self.status = os.waitstatus_to_exitcode(status)
-                self._reader.join(5)
-                break
-            if time.monotonic() > deadline:
-                self.kill()
-                pytest.fail(f"{self.argv} still running after {timeout:g} s:\n{self.text()}")
-            time.sleep(0.05)
-        return self.status
-
-    def kill(self) -> None:
-        if self.status is None:
-            os.kill(self.pid, signal.SIGKILL)
-            self.status = os.waitstatus_to_exitcode(os.waitpid(self.pid, 0)[1])
 
 
 @dataclass
@@ -139,25 +69,14 @@ def megabytes(text: str) -> float:
 @pytest.fixture(scope="module")
 def source(tmp_path_factory: pytest.TempPathFactory) -> Path:
     folder = tmp_path_factory.mktemp("bars") / "src"
-    folder.mkdir()
-    rng = np.random.default_rng(5)
-    for part in range(PARTS):
-        table = pa.table(
-            {
-                "id": np.arange(part * ROWS, (part + 1) * ROWS, dtype=np.int64),
-                "x": rng.random(ROWS),
-                "s": pa.array(rng.integers(0, 2**63, ROWS).astype(str)),
-            }
-        )
-        pq.write_table(table, folder / f"part-{part:05d}.parquet")
+    incompressible_parts(folder, PARTS, ROWS, seed=5)
     return folder
 
 
 @pytest.fixture
 def slow_relay(wormhole_servers: Any) -> Iterator[str]:
-    with TcpProxy("127.0.0.1", wormhole_servers.relay_port) as proxy:
-        proxy.limit_rate(RATE)
-        yield f"tcp:127.0.0.1:{proxy.port}"
+    with throttled_relay(wormhole_servers.relay_port, RATE) as hint:
+        yield hint
 
 
 def test_both_bars_tell_the_truth_at_2_mb_per_s(

@@ -22,7 +22,6 @@ from collections.abc import Callable, Iterator
 from pathlib import Path
 from typing import Any
 
-import numpy as np
 import pyarrow as pa
 import pyarrow.parquet as pq
 import pytest
@@ -31,6 +30,7 @@ from test_cli_dataset import json_lines, procs, receive_cmd, send_cmd  # noqa: F
 from test_dilation_redial import Restartable, relay_url
 
 from spark_dilation.testing import TcpProxy
+from spark_dilation.testing.datasets import incompressible_parts
 
 PARTS = 4
 RATE = 8e6  # bytes/s through the relay proxy: the 28 MB take about 3.5 s
@@ -48,21 +48,7 @@ def relay() -> Iterator[Restartable]:
 
 def source(folder: Path) -> list[pa.Table]:
     """PARTS Parquet files (one partition each) of incompressible rows."""
-    folder.mkdir()
-    rng = np.random.default_rng(7)
-    tables = []
-    for part in range(PARTS):
-        ids = np.arange(part * ROWS, (part + 1) * ROWS, dtype=np.int64)
-        table = pa.table(
-            {
-                "id": ids,
-                "x": rng.random(ROWS),
-                "s": pa.array(rng.integers(0, 2**63, ROWS).astype(str)),
-            }
-        )
-        pq.write_table(table, folder / f"part-{part:05d}.parquet")
-        tables.append(table)
-    return tables
+    return incompressible_parts(folder, PARTS, ROWS, seed=7)
 
 
 def staged(root: Path, pattern: str) -> list[Path]:

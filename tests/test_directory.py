@@ -13,6 +13,7 @@ from spark_dilation.transfer.directory import (
     LaneEpochs,
     SenderDoors,
     SenderIds,
+    abort_message,
     directory_code,
     door_code,
     end_message,
@@ -87,6 +88,34 @@ def test_merge_reports_only_what_changed_and_refuses_garbage() -> None:
     for bad in ({"senders": ["x"]}, {"senders": [-1]}, {"lanes": {"0": 1.5}}, {"lanes": {"a": 1}}):
         with pytest.raises(ValueError):
             DirectoryState().merge(bad)
+
+
+def test_the_end_is_kept_once_set_whatever_the_order() -> None:
+    """A side's half after its abort, and the other's answer, in any order with repeats:
+    the first abort and the first end stay, and the directory's other state is intact."""
+    messages = [
+        senders_message([0]),
+        {**senders_message([0, 1]), **abort_message("Ctrl-C", True)},
+        {**senders_message([0, 1]), **abort_message("later", False)},  # not a new end
+        {**lanes_message({0: 0}), **end_message("the sender cancelled the transfer (Ctrl-C)")},
+        lanes_message({0: 0, 1: 0}),
+    ]
+    for seed in range(30):
+        rng = random.Random(seed)
+        shuffled = messages + rng.sample(messages, 2)
+        rng.shuffle(shuffled)
+        state = DirectoryState()
+        for m in shuffled:
+            state.merge(m)
+        assert state.senders == {0, 1} and state.epochs == {0: 0, 1: 0}
+        assert state.ended == "the sender cancelled the transfer (Ctrl-C)"
+        assert state.abort is not None and state.abort["reason"] in ("Ctrl-C", "later")
+        first = next(m["abort"] for m in shuffled if "abort" in m)
+        assert state.abort == first
+    assert DirectoryState().abort is None
+    plain = DirectoryState()
+    plain.merge({"abort": "not an object"})  # malformed: ignored like an unknown key
+    assert plain.abort is None
 
 
 def test_lane_doors_follow_the_lane_table() -> None:

@@ -18,6 +18,7 @@ import pyarrow as pa
 import pytest
 
 from spark_dilation.errors import TransferError
+from spark_dilation.transfer import lifetime
 from spark_dilation.transfer.lane import LaneReceiver, LocalCauses
 from spark_dilation.transfer.lifetime import try_lock
 from spark_dilation.transfer.options import TransferOptions
@@ -176,3 +177,41 @@ def test_a_live_host_keeps_the_lane(tmp_path: Path) -> None:
     assert held is not None
     assert take_lane_lock(staging, patience=0.2) is None  # another host leaves
     os.close(held)
+
+
+def test_the_probe_does_not_take_the_lock(tmp_path: Path, monkeypatch: Any) -> None:
+    """host_alive() reads /proc/locks instead of taking the lock: however a host's start
+    and a read task's probe interleave, the host takes the lane at its first try."""
+    staging = LaneStaging(tmp_path, "ab" * 16, 0)
+    staging.ensure()
+    (staging.dir / ".lock").touch()  # a host ran here before
+    assert not host_alive(staging)
+    taken: list[int | None] = []
+    real_read = lifetime.PROC_LOCKS.read_text
+
+    def probe_then_start() -> str:
+        text = real_read()  # the probe mid-way: the host starts right here
+        taken.append(take_lane_lock(staging, patience=0.0))
+        return text
+
+    monkeypatch.setattr(lifetime, "PROC_LOCKS", type("P", (), {"read_text": probe_then_start}))
+    assert not host_alive(staging)  # the instant before the host took it
+    monkeypatch.undo()
+    assert taken[0] is not None, "a probe made the starting host leave"
+    assert host_alive(staging)
+    os.close(taken[0])
+    assert not host_alive(staging)
+
+
+def test_proc_locks_lines_name_the_files_held() -> None:
+    table = (
+        "1: FLOCK  ADVISORY  WRITE 4056 fe:00:2154523 0 EOF\n"
+        "1: -> FLOCK  ADVISORY  WRITE 4100 00:2d:77 0 EOF\n"  # a waiter, not a holder
+        "2: POSIX  ADVISORY  WRITE 3695 00:2d:78 0 EOF\n"  # fcntl locks: not ours
+        "3: FLOCK  ADVISORY  WRITE 3937 00:2d:79 0 EOF\n"
+    )
+    assert lifetime.held_in(table, os.makedev(0xFE, 0), 2154523)
+    assert lifetime.held_in(table, os.makedev(0, 0x2D), 79)
+    assert not lifetime.held_in(table, os.makedev(0, 0x2D), 77)
+    assert not lifetime.held_in(table, os.makedev(0, 0x2D), 78)
+    assert not lifetime.held_in(table, os.makedev(0, 0x2E), 79)

@@ -25,6 +25,7 @@ import pyarrow.parquet as pq
 import pytest
 
 from spark_dilation.testing import TcpProxy
+from spark_dilation.testing.leftovers import helper_processes
 from spark_dilation.testing.peer_process import PeerProcess
 from spark_dilation.testing.stepped_reader import SteppedReader
 from spark_dilation.testing.waiting import wait_until
@@ -438,19 +439,6 @@ def test_lane_host_killed_mid_transfer_is_replaced_in_seconds(
     assert sender_took < 150, sender_took
 
 
-def _app_processes(marker: str) -> list[int]:
-    """Our helper processes (lane, reader, sender hosts) whose command line names ``marker``."""
-    found = []
-    for proc in Path("/proc").iterdir():
-        try:
-            cmd = (proc / "cmdline").read_bytes().replace(b"\0", b" ").decode(errors="replace")
-        except OSError:
-            continue
-        if "spark_dilation.transfer." in cmd and marker in cmd:
-            found.append(int(proc.name))
-    return found
-
-
 def test_staging_deleted_then_another_action_cannot_heal(
     wormhole_servers: Any, tmp_path: Path
 ) -> None:
@@ -486,9 +474,9 @@ def test_staging_deleted_then_another_action_cannot_heal(
         assert reader.proc.wait(60) == 0
         wait_until(
             "the application's helper processes to exit",
-            lambda: not _app_processes(str(tmp_path)),
+            lambda: not helper_processes(str(tmp_path)),
             30,
-            details=lambda: str(_app_processes(str(tmp_path))),
+            details=lambda: str(helper_processes(str(tmp_path))),
         )
         assert not list((tmp_path / "staging").iterdir())
     finally:

@@ -21,6 +21,7 @@ from __future__ import annotations
 
 import logging
 import sys
+import time
 from collections.abc import Iterator
 from dataclasses import dataclass
 
@@ -41,6 +42,7 @@ log = logging.getLogger("spark_dilation.spark.dataset")
 report_log = logging.getLogger("spark_dilation.report")
 
 REPORT_PREFIX = "spark-dilation transfer report: "
+ABORT_PREFIX = "spark-dilation: the writer's abort() told the lanes in "
 
 
 def _task() -> tuple[int, int]:
@@ -84,20 +86,27 @@ class DilationArrowWriter(DataSourceArrowWriter):
     def abort(self, messages: list[PartitionSent | None]) -> None:
         from ..transfer import sending
 
+        started = time.monotonic()
         sending.abort(self.spec, "the Spark job writing the dataset failed")
+        # How long the lanes were tried (at most 10 s; none when the receiver ended it).
+        _report_log().info("%s%.1f s", ABORT_PREFIX, time.monotonic() - started)
 
 
-def _log_report(report: TransferReport) -> None:
-    # commit() runs in a Python worker on the driver machine, whose stderr
-    # Spark forwards to the driver's: give the report a handler there.
+def _report_log() -> logging.Logger:
+    # commit() and abort() run in a Python worker on the driver machine, whose
+    # stderr Spark forwards to the driver's: give the report a handler there.
     if not report_log.handlers:
         handler = logging.StreamHandler(sys.stderr)
         handler.setFormatter(logging.Formatter("%(message)s"))
         report_log.addHandler(handler)
         report_log.setLevel(logging.INFO)
         report_log.propagate = False
-    report_log.info("spark-dilation: sent %s", report.summary())
-    report_log.info("%s%s", REPORT_PREFIX, report.to_json())
+    return report_log
+
+
+def _log_report(report: TransferReport) -> None:
+    _report_log().info("spark-dilation: sent %s", report.summary())
+    _report_log().info("%s%s", REPORT_PREFIX, report.to_json())
 
 
 def _quiet_logs() -> None:

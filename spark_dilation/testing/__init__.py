@@ -10,7 +10,13 @@ these live in :mod:`spark_dilation.testing.fixtures`::
 Needs the ``[server]`` extra; pytest is only needed for the fixtures.
 """
 
-from spark_dilation.testing._proxy import TcpProxy
+from spark_dilation.testing._proxy import TcpProxy, throttled_relay
 from spark_dilation.testing._servers import ServerProcess, running_servers, start_server_process
 
-__all__ = ["ServerProcess", "TcpProxy", "running_servers", "start_server_process"]
+__all__ = [
+    "ServerProcess",
+    "TcpProxy",
+    "running_servers",
+    "start_server_process",
+    "throttled_relay",
+]

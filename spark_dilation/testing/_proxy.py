@@ -12,7 +12,7 @@ import socket
 import struct
 import threading
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from concurrent.futures import Future
 from types import TracebackType
 from typing import Any, TypeVar
@@ -528,3 +528,12 @@ class TcpProxy:
                 self._finish(link)
             else:
                 self._update(link)
+
+
+@contextlib.contextmanager
+def throttled_relay(relay_port: int, rate: float) -> Iterator[str]:
+    """A transit relay on loopback ``relay_port`` behind a proxy at ``rate`` bytes/s:
+    the relay hint (``tcp:127.0.0.1:PORT``) to give both sides, while the block runs."""
+    with TcpProxy("127.0.0.1", relay_port) as proxy:
+        proxy.limit_rate(rate)
+        yield f"tcp:127.0.0.1:{proxy.port}"

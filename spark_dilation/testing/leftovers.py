@@ -123,6 +123,20 @@ def marked_processes(mark: str) -> dict[int, str]:
     return found
 
 
+def helper_processes(marker: str) -> list[int]:
+    """Our helper processes (lane, reader and sender hosts: ``python -m
+    spark_dilation.transfer.*``) whose command line names ``marker`` (a folder)."""
+    found = []
+    for entry in Path("/proc").iterdir():
+        try:
+            cmd = (entry / "cmdline").read_bytes().replace(b"\0", b" ").decode(errors="replace")
+        except OSError:
+            continue
+        if "spark_dilation.transfer." in cmd and marker in cmd:
+            found.append(int(entry.name))
+    return found
+
+
 def find(before: Snapshot, mark: str, grace: float = PROCESS_GRACE) -> Leftovers:
     """What is there now and was not in ``before``; waits up to ``grace`` s for processes."""
     deadline = time.monotonic() + grace

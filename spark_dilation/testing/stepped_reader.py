@@ -54,33 +54,12 @@ def run_action(spark: Any, df: Any, step: dict[str, Any]) -> dict[str, Any]:
     raise ValueError(f"unknown action {action!r}")
 
 
-class SteppedReader:
-    """The test's side: start the application (``start(argv, log)`` returns its
-    ``Popen``), then ``step(action)`` and read each result."""
+class SteppedApp:
+    """The test's side of a stepped application (a reader here, or a
+    :mod:`.stepped_writer`): ``proc`` runs it; ``step(action)`` and read each result."""
 
-    def __init__(
-        self,
-        start: Callable[[list[str], Path], subprocess.Popen[bytes]],
-        control: Path,
-        log: Path,
-        *,
-        code: str,
-        mailbox: str,
-        relay: str | None,
-        master: str,
-        options: Sequence[str] = (),
-    ) -> None:
-        self.control, self.log = control, log
-        control.mkdir(parents=True)
-        argv = [
-            sys.executable, "-m", "spark_dilation.testing.stepped_reader", "--code", code,
-            "--mailbox", mailbox, "--master", master, "--control", str(control),
-        ]  # fmt: skip
-        if relay:
-            argv += ["--relay", relay]
-        for option in options:
-            argv += ["--option", option]
-        self.proc = start(argv, log)
+    def __init__(self, proc: subprocess.Popen[bytes], control: Path, log: Path) -> None:
+        self.proc, self.control, self.log = proc, control, log
         self.step_no = 0
 
     def loaded(self, timeout: float = 300) -> dict[str, Any]:
@@ -103,9 +82,67 @@ class SteppedReader:
         while not path.exists():
             if time.monotonic() > deadline or self.proc.poll() is not None:
                 tail = self.log.read_text(errors="replace")[-3000:] if self.log.exists() else ""
-                raise AssertionError(f"no {name} in {timeout:g} s (or the reader ended):\n{tail}")
-            time.sleep(0.2)
+                raise AssertionError(f"no {name} in {timeout:g} s (or the app ended):\n{tail}")
+            time.sleep(0.1)
         return json.loads(path.read_text())
+
+
+class SteppedReader(SteppedApp):
+    """Start the reading application (``start(argv, log)`` returns its ``Popen``)."""
+
+    def __init__(
+        self,
+        start: Callable[[list[str], Path], subprocess.Popen[bytes]],
+        control: Path,
+        log: Path,
+        *,
+        code: str,
+        mailbox: str,
+        relay: str | None,
+        master: str,
+        options: Sequence[str] = (),
+    ) -> None:
+        control.mkdir(parents=True)
+        argv = [
+            sys.executable, "-m", "spark_dilation.testing.stepped_reader", "--code", code,
+            "--mailbox", mailbox, "--master", master, "--control", str(control),
+        ]  # fmt: skip
+        if relay:
+            argv += ["--relay", relay]
+        for option in options:
+            argv += ["--option", option]
+        super().__init__(start(argv, log), control, log)
+
+
+def serve_steps(
+    control: Path,
+    step_timeout: float,
+    run: Callable[[dict[str, Any]], dict[str, Any]],
+    stop: Callable[[], None],
+) -> int:
+    """Answer ``step-N.json`` with ``result-N.json`` (``run(step)``, or its error) until
+    ``stop`` (answered once ``stop()`` returned); 2 if no step came within ``step_timeout``."""
+    n = 1
+    while True:
+        path = control / f"step-{n}.json"
+        deadline = time.monotonic() + step_timeout
+        while not path.exists():
+            if time.monotonic() > deadline:
+                return 2
+            time.sleep(0.05)
+        step = json.loads(path.read_text())
+        if step["action"] == "stop":
+            stop()
+            _write(control / f"result-{n}.json", {"action": "stop"})
+            return 0
+        started = time.monotonic()
+        try:
+            result = run(step)
+        except Exception as e:  # one line for the test; the traceback went to stderr
+            result = {"error": f"{type(e).__name__}: {e}"[:4000]}
+        result.update(action=step["action"], seconds=round(time.monotonic() - started, 2))
+        _write(control / f"result-{n}.json", result)
+        n += 1
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -133,27 +170,9 @@ def main(argv: list[str] | None = None) -> int:
         _write(control / "loaded.json", {"error": f"{type(e).__name__}: {e}"[:4000]})
         return 1
     _write(control / "loaded.json", {"schema": df.schema.json()})
-    n = 1
-    while True:
-        path = control / f"step-{n}.json"
-        deadline = time.monotonic() + args.step_timeout
-        while not path.exists():
-            if time.monotonic() > deadline:
-                return 2
-            time.sleep(0.1)
-        step = json.loads(path.read_text())
-        if step["action"] == "stop":
-            spark.stop()
-            _write(control / f"result-{n}.json", {"action": "stop"})
-            return 0
-        started = time.monotonic()
-        try:
-            result = run_action(spark, df, step)
-        except Exception as e:  # one line for the test; the traceback went to stderr
-            result = {"error": f"{type(e).__name__}: {e}"[:4000]}
-        result.update(action=step["action"], seconds=round(time.monotonic() - started, 2))
-        _write(control / f"result-{n}.json", result)
-        n += 1
+    return serve_steps(
+        control, args.step_timeout, lambda step: run_action(spark, df, step), spark.stop
+    )
 
 
 if __name__ == "__main__":

@@ -48,7 +48,7 @@ from .report import Progress, TransferReport, combine_paths
 from .sender import ConnectionPool, LaneLostError, deliver_abort, deliver_manifest, send_partition
 from .session import ReceivedFileResult, SenderSession, receive_session
 from .spec import TransferSpec
-from .staging import LaneStaging, os_cause, read_staged
+from .staging import LaneStaging, TransferAbortedError, os_cause, read_staged
 
 log = logging.getLogger(__name__)
 
@@ -57,6 +57,7 @@ TARGET_PARTITION_BYTES = 64 * 1024 * 1024
 # the data already queued on it (up to about 12 MiB: instant on a fast link).
 CANCEL_TELL_TIMEOUT = 10.0
 CANCEL_LINGER = 5.0  # for our answer to the receiver's end to get through
+DIRECTORY_ANSWER_WAIT = 0.5  # s: the receiver's end through the mailbox, if in-band came first
 MAX_ATTEMPTS = 3
 PROGRESS_INTERVAL = 0.5  # seconds between progress snapshots
 ProgressCallback = Callable[[Progress], None]
@@ -289,20 +290,31 @@ class DatasetSender:
                     f"the send with code {self.code} was cancelled before a receiver used it"
                 ) from e
             raise
-        # The writing end of the transfer's directory: this process is sender 0.
-        hub = SenderHub(spec)
+        connections = ConnectionPool()
+        # The writing end of the transfer's directory: this process is sender 0. The
+        # receiver's end can come through it, ahead of the data queued toward the receiver.
+        hub = SenderHub(
+            spec,
+            on_abort=lambda abort: connections.fail(
+                spec.transfer_id, TransferAbortedError(abort.text("receiver"))
+            ),
+        )
         try:
-            return self._send(spec, on_progress, interval)
+            return self._send(spec, connections, hub.answered, on_progress, interval)
         finally:
             hub.close()
 
     def _send(
-        self, spec: TransferSpec, on_progress: ProgressCallback | None, interval: float
+        self,
+        spec: TransferSpec,
+        connections: ConnectionPool,
+        answered: threading.Event,
+        on_progress: ProgressCallback | None,
+        interval: float,
     ) -> TransferReport:
         started = time.monotonic()
         parts = _partitions(self._source, spec.lanes)
         parts.makers = self._unless_cancelled(parts.makers)
-        connections = ConnectionPool()
         with self._lock:
             self._under_way = (spec.transfer_id, connections)
         if self._cancelled.is_set():  # cancel() came just before
@@ -314,9 +326,12 @@ class DatasetSender:
         except BaseException as e:
             ticker.stop(final=False)
             ended = self._ended(spec, connections, e)
-            # The receiver ended it: it waits for our answer, which queues behind the data
-            # we had sent; closing now would drop it. Else the lanes were told already.
-            linger = CANCEL_LINGER if connections.receiver_ended(spec.transfer_id) else 0
+            # The receiver ended it: it waits for our answer. The directory link carries
+            # it (at once); else it queues behind the data we had sent, and closing now
+            # would drop it. Else the lanes were told already.
+            linger = 0.0
+            if connections.receiver_ended(spec.transfer_id):
+                linger = 0.0 if answered.wait(DIRECTORY_ANSWER_WAIT) else CANCEL_LINGER
             connections.close_transfer(spec.transfer_id, linger=linger)
             if ended is e:
                 raise
@@ -666,7 +681,10 @@ def _start_lanes(spec: TransferSpec, delivery: _Delivery) -> list[LaneReceiver]:
 
 
 def _wait_staged(
-    receivers: list[LaneReceiver], on_progress: ProgressCallback | None, interval: float
+    receivers: list[LaneReceiver],
+    reading: ReadingEnd,
+    on_progress: ProgressCallback | None,
+    interval: float,
 ) -> None:
     """Until every lane holds its share (manifest and partitions).
 
@@ -685,7 +703,7 @@ def _wait_staged(
     except KeyboardInterrupt as e:
         ticker.stop(final=False)
         cause = interrupt_cause(e)
-        raise Interrupted(cause, _tell_sender(receivers, cause)) from None
+        raise Interrupted(cause, _tell_sender(receivers, reading, cause)) from None
     if error is not None:
         ticker.stop(final=False)
         # The sender's abort may only echo this side's own failure (a lane that could
@@ -810,21 +828,32 @@ def _write_files(
     return [out / name for name in names]
 
 
-def _tell_sender(receivers: list[Any], cause: str) -> str:
-    """The receiver was cancelled: every lane tells its sender connections, then stops."""
+def _tell_sender(receivers: list[Any], reading: ReadingEnd, cause: str) -> str:
+    """The receiver was cancelled: tell the sender through the directory link (ahead of
+    the data queued toward us) and through every lane's connections; then stop."""
     abort = Abort(cause, cancelled=True)
     error = Interrupted(cause)
+    deadline = time.monotonic() + CANCEL_TELL_TIMEOUT
+    heard = threading.Event()  # the writing end answered "end" on the directory link
+
+    def tell_directory() -> None:
+        reading.tell_abort(abort)
+        if reading.wait_ended(deadline):
+            heard.set()
+
     outcomes: list[str] = []
-    threads = [
+    threads = [threading.Thread(target=tell_directory, daemon=True)] + [
         threading.Thread(
-            target=lambda r=r: outcomes.append(r.end_transfer(abort, error, CANCEL_TELL_TIMEOUT)),
+            target=lambda r=r: outcomes.append(
+                r.end_transfer(abort, error, CANCEL_TELL_TIMEOUT, heard)
+            ),
             daemon=True,
         )
         for r in receivers
     ]
     for t in threads:
         t.start()
-    for t in threads:
+    for t in threads[1:]:
         t.join(CANCEL_TELL_TIMEOUT + 1)
     # Each lane stops in a thread of its own (end_transfer): closing a wormhole
     # whose peer is busy or gone can take seconds, and we have nothing to wait for.
@@ -900,11 +929,15 @@ def receive_agreed(
     delivery = _Delivery()
     receivers = _start_lanes(spec, delivery)  # the transfer's staging is ours from here
     # The reading end of the transfer's directory: every lane here, epoch 0.
-    reading = ReadingEnd(spec, sender_set(spec.transfer_id).add)
+    reading = ReadingEnd(
+        spec,
+        sender_set(spec.transfer_id).add,
+        on_abort=lambda abort: [r.sender_ended(abort, linger=0) for r in receivers],
+    )
     reading.publish(dict.fromkeys(range(spec.lanes), 0))
     try:
         try:
-            _wait_staged(receivers, on_progress, interval)
+            _wait_staged(receivers, reading, on_progress, interval)
             staging = {r.lane: r.staging for r in receivers}
             partitions = sorted(
                 (c for r in receivers for c in _manifest(r).for_lane(r.lane)),

@@ -45,6 +45,13 @@ Lane side, per (lane host of epoch e, sender s)::
     (none)      sender s known                OPEN(a=0)   claim door (l, e, s, 0)
     OPEN(a)     paired                        OPEN(a+1)   keep the connection; claim a + 1
     OPEN(a)     lane finished                 (none)      close (releases the claim)
+
+The end of a transfer also travels here: a writing end that aborts adds
+``abort`` to its half (:func:`abort_message`), which reaches the reading end
+through the mailbox, ahead of the megabytes queued on the data connections;
+a reading end that ended its lanes on it answers ``end`` (:func:`end_message`).
+A reading end that does not know ``abort`` ignores it (unknown keys are
+ignored), so the writing end's in-band abort still decides.
 """
 
 from __future__ import annotations
@@ -57,6 +64,7 @@ from .protocol import NAMEPLATE_DIGITS
 SENDERS = "senders"
 LANES = "lanes"
 END = "end"
+ABORT = "abort"
 
 
 def _code(secret: bytes, info: str) -> str:
@@ -131,6 +139,9 @@ class DirectoryState:
     senders: set[int] = field(default_factory=set)
     epochs: dict[int, int] = field(default_factory=dict)
     ended: str = ""
+    # The writing end's abort ({"reason", "cancelled"}, :class:`.protocol.Abort`'s body):
+    # the end of the transfer on a path no data is queued on.
+    abort: dict[str, Any] | None = None
 
     def merge(self, message: dict[str, Any]) -> tuple[set[int], dict[int, int]]:
         """Take one directory message; returns (new senders, lanes whose epoch rose).
@@ -152,6 +163,8 @@ class DirectoryState:
                 risen[lane] = epoch
         if message.get(END) and not self.ended:
             self.ended = str(message[END])
+        if isinstance(message.get(ABORT), dict) and self.abort is None:
+            self.abort = dict(message[ABORT])
         return new_senders, risen
 
 
@@ -166,7 +179,13 @@ def lanes_message(epochs: dict[int, int]) -> dict[str, Any]:
 
 
 def end_message(reason: str) -> dict[str, Any]:
+    """Either end's: the transfer is over here (the reading end: it heard the abort)."""
     return {END: reason}
+
+
+def abort_message(reason: str, cancelled: bool) -> dict[str, Any]:
+    """The writing end's abort, sent with its half (an end that no queued data delays)."""
+    return {ABORT: {"reason": reason, "cancelled": cancelled}}
 
 
 def _non_negative(value: Any, what: str) -> int:

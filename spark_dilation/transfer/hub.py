@@ -30,6 +30,7 @@ import logging
 import socket
 import threading
 import time
+from collections.abc import Callable
 from typing import Any
 
 from ..errors import TransferError
@@ -43,7 +44,17 @@ from .boxlink import (
     listen,
     serve_connections,
 )
-from .directory import END, LANES, DirectoryState, SenderIds, lanes_message, senders_message
+from .directory import (
+    END,
+    LANES,
+    DirectoryState,
+    SenderIds,
+    abort_message,
+    end_message,
+    lanes_message,
+    senders_message,
+)
+from .protocol import Abort
 from .readerhost import PING, SILENCE
 from .rendezvous import ROLE_WRITER, DirectoryLink, SenderView, forget, register_view
 from .spec import TransferSpec
@@ -61,17 +72,28 @@ class SenderHub:
     """The writing end (see the module docstring). ``serve``: listen for the other
     sending processes of the transfer (a Spark writer); the address is :attr:`address`."""
 
-    def __init__(self, spec: TransferSpec, serve: bool = False) -> None:
+    def __init__(
+        self,
+        spec: TransferSpec,
+        serve: bool = False,
+        on_abort: Callable[[Abort], None] | None = None,
+    ) -> None:
         self.spec = spec
+        # The reading end's abort through the directory: ``on_abort`` ends the sending
+        # here, then this end answers ``end``. Without it, the in-band abort decides.
+        self._on_abort = on_abort
+        self.answered = threading.Event()  # we answered the reading end's abort with "end"
         self._lock = threading.Lock()
         self._ids = SenderIds()
         self._state = DirectoryState()  # the reading end's half, as last heard
         self._clients: set[BoxLink] = set()
         self._closed = threading.Event()
+        self._abort: dict[str, Any] = {}  # our abort or end, once told: part of our half
         self.view = SenderView(spec.transfer_id, self._ids.issue())
+        self.view.tell_abort = self.tell_abort
         register_view(self.view)
         self.link = DirectoryLink(spec, ROLE_WRITER, self._from_reader, self._link_ended)
-        self.link.send(senders_message(self._ids.issued))
+        self.link.send(self._half())
         self.link.start()
         self.server: socket.socket | None = None
         self.address: tuple[tuple[str, ...], int] | None = None
@@ -86,6 +108,18 @@ class SenderHub:
             return self.spec
         return self.spec.with_hub(*self.address)
 
+    def _half(self) -> dict[str, Any]:
+        """Our half of the directory, whole (under the lock, or before the link starts)."""
+        return {**senders_message(self._ids.issued), **self._abort}
+
+    def tell_abort(self, reason: str, cancelled: bool) -> None:
+        """Tell the reading end the transfer is over, through the mailbox: ahead of the
+        data queued on the connections. It answers ``end`` once its lanes ended."""
+        with self._lock:
+            self._abort.update(abort_message(reason, cancelled))
+            half = self._half()
+        self.link.send(half)
+
     def _news(self) -> dict[str, Any]:
         message = lanes_message(self._state.epochs)
         if self._state.ended:
@@ -94,14 +128,27 @@ class SenderHub:
 
     def _from_reader(self, message: dict[str, Any]) -> None:
         with self._lock:
+            told = self._state.abort
             _, risen = self._state.merge(message)
             news = self._news()
             clients = list(self._clients)
+            heard = told is None and self._state.abort is not None
         self.view.update(message)
         if risen or message.get(END):
             for client in clients:
                 with contextlib.suppress(LinkError):
                     client.send_json(news)
+        if heard and self._on_abort is not None:
+            abort = Abort.from_body(self._state.abort or {})
+            log.info(
+                "transfer %s: %s (directory link)", self.spec.transfer_id, abort.text("receiver")
+            )
+            self._on_abort(abort)
+            with self._lock:
+                self._abort.update(end_message(abort.text("receiver")))
+                half = self._half()
+            self.link.send(half)
+            self.answered.set()
 
     def _link_ended(self, why: str) -> None:
         # Normal at the end: the reading end closes its side once it has the data.
@@ -117,10 +164,10 @@ class SenderHub:
             link.recv_json(SILENCE)  # hello
             with self._lock:
                 sender = self._ids.issue()
-                issued = self._ids.issued
+                half = self._half()
                 first = {"sender": sender, **self._news()}
                 self._clients.add(link)
-            self.link.send(senders_message(issued))
+            self.link.send(half)
             link.send_json(first)
             log.info("transfer %s: sender %d joined", self.spec.transfer_id, sender)
             keep_alive(link, PING, stop)

@@ -236,7 +236,14 @@ class LaneReceiver:
                     os.close(self._lock_fd)
                 self._lock_fd = -1
 
-    def end_transfer(self, abort: Abort, error: BaseException, timeout: float = 5.0) -> str:
+    def end_transfer(
+        self,
+        abort: Abort,
+        error: BaseException,
+        timeout: float = 5.0,
+        heard: threading.Event | None = None,
+        flush: float | None = None,
+    ) -> str:
         """The receiving side ends the transfer: tell each sender connection, then finish.
 
         ``A`` (``abort``) goes on a control subchannel of every connection
@@ -248,6 +255,12 @@ class LaneReceiver:
         Returns ``"confirmed"``, ``"sent"`` or ``""`` (no connection took
         it). The lane then finishes with ``error``. For a cancel and for
         any failure of the receiving side (its reason in ``abort``).
+        ``heard``: set when the sender confirmed the end another way (the
+        directory link); the lane then stops at once, with no linger.
+        ``flush``: stop waiting this long after ``A`` was handed to a
+        connection, confirmed or not (a process about to exit: the answer
+        queues behind the data the sender had sent, seconds on a slow link,
+        while ``A`` itself goes out at once on the quiet direction).
         """
         with self._cond:
             self.book.aborted = abort.text("receiver")
@@ -257,9 +270,12 @@ class LaneReceiver:
         confirmed = threading.Event()
 
         def tell(conn: Any) -> None:
+            nonlocal deadline
             try:
                 with conn.open(CONTROL_SUBPROTOCOL, timeout=timeout) as channel:
                     channel.send(abort.encode(), timeout=timeout)
+                    if flush is not None and not sent.is_set():
+                        deadline = min(deadline, time.monotonic() + flush)
                     sent.set()
                     reply = channel.receive(timeout=max(0.1, deadline - time.monotonic()))
                 if reply is not None and decode_message(reply)[0] == TAG_OK:
@@ -271,12 +287,30 @@ class LaneReceiver:
         for t in threads:
             t.start()
         # One confirmation is enough: the sender ends the whole transfer.
-        while not confirmed.is_set() and any(t.is_alive() for t in threads):
+        elsewhere = heard or threading.Event()
+        while not confirmed.is_set() and not elsewhere.is_set():
+            if not any(t.is_alive() for t in threads):
+                # Nothing more on our connections: give the other way a moment.
+                deadline = min(deadline, time.monotonic() + (1.0 if heard else 0.0))
             if time.monotonic() >= deadline:
                 break
             confirmed.wait(0.05)
+        if elsewhere.is_set():
+            self._finish(error, linger=0)
+            return "confirmed"
         self._finish(error)
         return "confirmed" if confirmed.is_set() else "sent" if sent.is_set() else ""
+
+    def sender_ended(self, abort: Abort, linger: float = 2.0) -> None:
+        """The sending side ended the transfer (``A`` on a connection, or through the
+        directory): the lane ends at once. After a staging failure, here or on another
+        lane, the abort is its echo: the lane's error is that cause. ``linger``: 0 when
+        the lane sent the senders nothing they wait for (the directory answers them)."""
+        with self._cond:
+            if self.finished:
+                return
+            self.book.aborted = abort.text("sender")
+        self._finish(self._cause() or TransferAbortedError(abort.text("sender")), linger)
 
     def _lost_sender_message(self, gave_up: BaseException) -> str:
         """Redial's give-up text already says what was tried and names reconnect_timeout:
@@ -372,14 +406,16 @@ class LaneReceiver:
             log.info("lane %d: could not ask for the transfer's cause: %s", self.lane, why)
             return None
 
-    def _finish(self, error: BaseException | None = None) -> None:
+    def _finish(self, error: BaseException | None = None, linger: float = 2.0) -> None:
+        """Record the lane's end; stop it in the background, waiting up to ``linger`` s for
+        the senders to answer the subchannels' closes (what it sent last reached them)."""
         with self._cond:
             if self.finished:
                 return
             self.finished = True
             self.error = error
             self._cond.notify_all()
-        threading.Thread(target=self.stop, daemon=True).start()
+        threading.Thread(target=self.stop, kwargs={"linger": linger}, daemon=True).start()
 
     # --- doors and connections -----------------------------------------------------
 
@@ -652,13 +688,8 @@ class LaneReceiver:
                 if done:
                     self._finish(None)
         elif tag == TAG_ABORT:
-            abort = Abort.from_body(body)
-            with self._cond:
-                self.book.aborted = abort.text("sender")
             channel.send(encode_json(TAG_OK, {}))
-            # After a staging failure, here or on another lane, the abort is its echo:
-            # the lane's error is that cause.
-            self._finish(self._cause() or TransferAbortedError(abort.text("sender")))
+            self.sender_ended(Abort.from_body(body))
         else:
             channel.send(encode_json(TAG_ERROR, {"error": f"unexpected {tag!r}"}))
 

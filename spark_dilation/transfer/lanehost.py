@@ -38,6 +38,7 @@ WAIT_POLL = 0.5  # how often a host asks again when no copy it was told of answe
 COPY_RETRY = 15.0  # how long a host tries the copies it was told of (the registry drops dead ones)
 ORPHAN_LINGER = 30.0  # a host that never reached its registry keeps its error at most this long
 END_NOTICE = 3.0  # how long a host that loses its application tells the senders why
+END_FLUSH = 0.5  # s it then waits after A went out, when the senders' answer is slow
 STAGING_CHECK = 1.0  # how often a complete host checks that its staged copy still exists
 
 
@@ -199,6 +200,7 @@ class RegisteredLane:
             teller = threading.Thread(
                 target=receiver.end_transfer,
                 args=(Abort(reason), TransferError(reason), END_NOTICE),
+                kwargs={"flush": END_FLUSH},
                 daemon=True,
             )
             teller.start()

@@ -78,6 +78,44 @@ def try_lock(path: Path) -> int | None:
     return fd
 
 
+PROC_LOCKS = Path("/proc/locks")
+
+
+def lock_held(path: Path) -> bool:
+    """Whether a process holds a :func:`try_lock` lock on ``path``, without taking it.
+
+    Taking the lock to see (and dropping it) makes the prober the holder for an
+    instant, and a helper starting in that instant takes the lock for held and
+    leaves. On Linux ``/proc/locks`` lists every ``flock`` by device and inode
+    (``FLOCK ADVISORY WRITE PID MAJ:MIN:INODE ...``, major and minor in hex), so
+    nothing is taken; elsewhere (no such file) the lock is tried and dropped.
+    """
+    try:
+        st = path.stat()
+    except FileNotFoundError:
+        return False
+    try:
+        table = PROC_LOCKS.read_text()
+    except OSError:
+        fd = try_lock(path)
+        if fd is None:
+            return True
+        os.close(fd)
+        return False
+    return held_in(table, st.st_dev, st.st_ino)
+
+
+def held_in(table: str, dev: int, ino: int) -> bool:
+    """Whether ``/proc/locks``' text ``table`` lists an ``flock`` on (``dev``, ``ino``)."""
+    want = f"{os.major(dev):02x}:{os.minor(dev):02x}:{ino}"
+    for line in table.splitlines():
+        fields = line.split()
+        # "1: FLOCK  ADVISORY  WRITE 1234 00:2d:5678 0 EOF"; a waiter has "->" after "1:".
+        if len(fields) >= 6 and fields[1] == "FLOCK" and fields[5] == want:
+            return True
+    return False
+
+
 def write_private(directory: Path, obj: Any) -> Path:
     """``obj`` pickled into a new file only this user can read (it may hold the secret).
 

@@ -34,7 +34,9 @@ from .directory import (
     DirectoryState,
     Door,
     SenderDoors,
+    abort_message,
     directory_code,
+    end_message,
     lanes_message,
 )
 from .protocol import (
@@ -43,6 +45,7 @@ from .protocol import (
     ROLE_LANE,
     ROLE_SENDER,
     VERSION,
+    Abort,
     ProtocolError,
 )
 from .spec import TransferSpec
@@ -286,22 +289,61 @@ class ReadingEnd:
 
     Held by the Spark reader host (epochs from its lane registry) or by the
     receiving process of the CLI and the Python API (every lane in-process,
-    epoch 0). ``on_senders(new ids)`` runs in the link's thread.
+    epoch 0). ``on_senders(new ids)`` runs in the link's thread. With
+    ``on_abort``, the writing end's abort through the directory ends the
+    transfer here: ``on_abort(abort)`` ends the lanes, then this end answers
+    ``end`` (the writing end's confirmation that the receiver was told).
     """
 
-    def __init__(self, spec: TransferSpec, on_senders: Callable[[set[int]], None]) -> None:
+    def __init__(
+        self,
+        spec: TransferSpec,
+        on_senders: Callable[[set[int]], None],
+        on_abort: Callable[[Abort], None] | None = None,
+    ) -> None:
         self.spec = spec
         self._state = DirectoryState()
+        self._cond = threading.Condition()
         self._on_senders = on_senders
+        self._on_abort = on_abort
+        self._half: dict[str, Any] = {}  # ours, whole: the lanes' epochs, our abort or end
         self.ended = threading.Event()
         self.link = DirectoryLink(spec, ROLE_READER, self._from_writer, self._ended)
         self.link.start()
 
     def _from_writer(self, message: dict[str, Any]) -> None:
-        new, _ = self._state.merge(message)
+        with self._cond:
+            told = self._state.abort
+            new, _ = self._state.merge(message)
+            self._cond.notify_all()
         if new:
             log.info("transfer %s: senders %s introduced", self.spec.transfer_id, sorted(new))
             self._on_senders(new)
+        if told is None and self._state.abort is not None and self._on_abort is not None:
+            abort = Abort.from_body(self._state.abort)
+            log.info(
+                "transfer %s: %s (directory link)", self.spec.transfer_id, abort.text("sender")
+            )
+            self._on_abort(abort)
+            self._send(end_message(abort.text("sender")))
+
+    def _send(self, part: dict[str, Any]) -> None:
+        with self._cond:
+            self._half.update(part)
+            half = dict(self._half)
+        self.link.send(half)
+
+    def tell_abort(self, abort: Abort) -> None:
+        """This end ends the transfer: tell the writing end through the mailbox, ahead of
+        the data queued toward us. :meth:`wait_ended` then has its answer."""
+        self._send(abort_message(abort.reason, abort.cancelled))
+
+    def wait_ended(self, deadline: float) -> str:
+        """The writing end's ``end`` (it heard our abort), waiting until ``deadline``."""
+        with self._cond:
+            while not self._state.ended and time.monotonic() < deadline:
+                self._cond.wait(min(POLL, max(0.0, deadline - time.monotonic())))
+            return self._state.ended
 
     def _ended(self, why: str) -> None:
         if not self.ended.is_set():
@@ -313,7 +355,7 @@ class ReadingEnd:
 
     def publish(self, epochs: dict[int, int]) -> None:
         """Tell the writing end every hosted lane's current epoch."""
-        self.link.send(lanes_message(epochs))
+        self._send(lanes_message(epochs))
 
     def close(self) -> None:
         self.ended.set()
@@ -333,6 +375,9 @@ class SenderView:
         self._doors = SenderDoors(sender)
         self._cond = threading.Condition()
         self._listeners: list[Callable[[dict[int, int]], None]] = []
+        # The writing end's abort through the directory (``tell_abort(reason, cancelled)``);
+        # None in a process that only reaches the writing end through its hub.
+        self.tell_abort: Callable[[str, bool], None] | None = None
 
     def update(self, message: dict[str, Any]) -> None:
         """The writing end's news (lanes' epochs, the end); tells listeners of risen epochs."""
@@ -354,6 +399,13 @@ class SenderView:
     @property
     def ended(self) -> str:
         return self._state.ended
+
+    def wait_ended(self, deadline: float) -> str:
+        """The reading end's ``end``, waiting for it until ``deadline``; "" if none came."""
+        with self._cond:
+            while not self._state.ended and time.monotonic() < deadline:
+                self._cond.wait(min(POLL, max(0.0, deadline - time.monotonic())))
+            return self._state.ended
 
     def door(self, lane: int, deadline: float, cancelled: Callable[[], bool], what: str) -> Door:
         """The door for a new connection to ``lane``, once its epoch is known (blocking)."""
@@ -420,6 +472,12 @@ def register_view(view: SenderView) -> None:
     """This process sends for ``view.transfer_id`` with ``view`` (the writing end itself)."""
     with _lock:
         _sender_views[view.transfer_id] = view
+
+
+def registered_view(transfer_id: str) -> SenderView | None:
+    """This process's view of ``transfer_id``'s directory, if it has one already."""
+    with _lock:
+        return _sender_views.get(transfer_id)
 
 
 def forget(transfer_id: str) -> None:

@@ -30,7 +30,7 @@ import os
 import socket
 import threading
 import time
-from collections.abc import Iterable
+from collections.abc import Callable, Iterable
 from concurrent.futures import ThreadPoolExecutor
 from typing import Any
 
@@ -74,6 +74,7 @@ from .rendezvous import (
     close_wormhole,
     dilate_paired,
     meet,
+    registered_view,
     sender_view,
 )
 from .report import ConnectionStats, is_connecting, is_reconnecting, path_of, reconnects_of
@@ -716,13 +717,14 @@ def deliver_abort(
     if connections is not None and connections.receiver_ended(spec.transfer_id):
         log.info("the receiver ended transfer %s itself: no abort to tell", spec.transfer_id)
         return True
-    message = Abort(reason, cancelled).encode()
+    abort = Abort(reason, cancelled)
+    message = abort.encode()
     try:
         lanes = (
             connections.lanes_connected(spec.transfer_id) if reached_only and connections else []
         )
         if lanes and connections is not None:
-            _abort_soonest(spec, message, timeout, connections, lanes)
+            _abort_soonest(spec, abort, timeout, connections, lanes)
         else:
             deliver_control(
                 spec,
@@ -741,12 +743,13 @@ FRESH_ABORT_AFTER = 0.5  # s: an in-band abort on an idle or fast link has confi
 
 def _abort_soonest(
     spec: TransferSpec,
-    message: bytes,
+    abort: Abort,
     timeout: float,
     connections: ConnectionPool,
     lanes: list[int],
 ) -> None:
-    """The abort on the pooled connections, raced after a moment by new ones; first wins."""
+    """The abort on the pooled connections and, where this process is the writing end,
+    through the directory link; raced after a moment by new connections; first wins."""
     deadline = time.monotonic() + timeout
     done = threading.Event()
     errors: list[BaseException] = []
@@ -754,14 +757,28 @@ def _abort_soonest(
 
     def tell(pool: ConnectionPool) -> None:
         try:
-            deliver_control(spec, message, timeout=timeout, connections=pool, lanes=lanes,
-                            any_lane=True)  # fmt: skip
+            deliver_control(spec, abort.encode(), timeout=timeout, connections=pool,
+                            lanes=lanes, any_lane=True)  # fmt: skip
             done.set()
         except BaseException as e:
             errors.append(e)
 
+    def tell_directory(view: SenderView, tell_abort: Callable[[str, bool], None]) -> None:
+        # The mailbox carries nothing else: the reading end hears it in a round trip
+        # and answers "end" once its lanes ended (a reading end that does not know
+        # "abort" never answers, and the in-band abort decides).
+        tell_abort(abort.reason, abort.cancelled)
+        if view.wait_ended(deadline):
+            log.info("the receiver confirmed the abort through the directory link")
+            done.set()
+
     racers = [threading.Thread(target=tell, args=(connections,), daemon=True, name="abort")]
     racers[0].start()
+    view = registered_view(spec.transfer_id)
+    if view is not None and view.tell_abort is not None:
+        threading.Thread(
+            target=tell_directory, args=(view, view.tell_abort), name="abort-dir", daemon=True
+        ).start()
     try:
         if not done.wait(FRESH_ABORT_AFTER):
             log.info(
@@ -770,8 +787,12 @@ def _abort_soonest(
             racers.append(
                 threading.Thread(target=tell, args=(fresh,), daemon=True, name="abort-fresh")
             )
-            racers[1].start()
+            racers[-1].start()
         confirmed = _first_confirmed(done, racers, deadline)
+        if not confirmed and view is not None and view.tell_abort is not None:
+            # The connections are done with (failed): the directory's answer may still
+            # come, a moment later, from a receiver that ended on it.
+            confirmed = done.wait(max(0.0, min(1.0, deadline - time.monotonic())))
     finally:
         fresh.close_transfer(spec.transfer_id, linger=0.0)
     if not confirmed:

@@ -17,8 +17,11 @@ Why: every sending Python process otherwise imports Twisted, autobahn and
 the crypto libraries (about 0.4 CPU-s) and pairs with each lane (0.1-0.2 s);
 on a busy sending core that is wall time (``docs/transfer.md``).
 
-It exits after it delivered the manifest or the abort, or when no task used
-it for ``idle_timeout`` seconds; tasks that find no host send in-process.
+It exits after it delivered the manifest or the abort (writing that answer
+first, without waiting for partition streams still under way), when no task
+used it for ``idle_timeout`` seconds, or, on an executor machine, as soon as
+the writing end is gone or says the transfer ended; tasks that find no host
+send in-process.
 """
 
 from __future__ import annotations
@@ -54,8 +57,10 @@ from .hostlink import (
     unix_address,
     write_answer,
 )
+from .hub import HUB_CONNECT
 from .lifetime import alive, owner_pid, read_private, try_lock, watch
 from .protocol import CommittedPartition, ProtocolError, lane_of
+from .rendezvous import sender_view
 from .report import path_of
 from .sender import ConnectionPool, deliver_abort, deliver_manifest, stream_partition
 from .spec import TransferSpec
@@ -90,6 +95,10 @@ class SenderHost:
         self._lock = threading.Lock()
         self._active = 0
         self._last = time.monotonic()
+        # The commit's or abort()'s request under way: its caller awaits the answer, so
+        # the host writes it before it exits. Partition streams are not waited for: once
+        # the manifest or the abort went out, a task still streaming has nothing to win.
+        self._owed = 0
         self._done = threading.Event()
         self._orphaned = False
         """The application ended: its tasks' connections are not worth waiting for."""
@@ -116,6 +125,8 @@ class SenderHost:
             for lane in range(self.spec.lanes):
                 threading.Thread(target=self._warm, args=(lane,), daemon=True).start()
         watch(self.owner, self._owner_ended, self._done)
+        if not self.abort_on_exit:
+            threading.Thread(target=self._watch_writing_end, daemon=True).start()
         try:
             while not self._done.is_set() and not self._idle_expired():
                 try:
@@ -131,12 +142,29 @@ class SenderHost:
             with contextlib.suppress(FileNotFoundError):
                 path.unlink()
         if not self._orphaned:
-            self._wait_for_tasks(30.0)  # a task (the commit) may still await its answer
+            self._wait_for_answers(30.0)  # the commit or abort() awaits its answer
         self.pool.close_transfer(self.spec.transfer_id)
         if self._done.is_set():
             shutil.rmtree(host_dir(self.spec), ignore_errors=True)
         log.info("sender host done (%s)", "delivered" if self._done.is_set() else "idle")
         return 0
+
+    def _watch_writing_end(self) -> None:
+        """An executor machine's host: the transfer is over when the writing end (the
+        driver machine's host, whose hub introduced us) is gone or says it ended; then
+        leave, instead of idling for idle_timeout (a task that started this host after
+        the driver's host ended would otherwise leave it behind)."""
+        try:
+            view = sender_view(self.spec, time.monotonic() + HUB_CONNECT)
+        except (TransferError, DilationError) as e:
+            log.info("the writing end of the transfer is not there (%s): leaving", e)
+            self._done.set()
+            return
+        while not self._done.is_set():
+            ended = view.wait_ended(time.monotonic() + 1.0)
+            if ended:
+                log.info("the transfer ended (%s): leaving", ended)
+                self._done.set()
 
     def _owner_ended(self) -> None:
         """The writing application is gone without a commit or an abort: tell every lane."""
@@ -162,11 +190,11 @@ class SenderHost:
         with self._lock:
             return self._active == 0 and time.monotonic() - self._last > self.idle
 
-    def _wait_for_tasks(self, limit: float) -> None:
+    def _wait_for_answers(self, limit: float) -> None:
         end = time.monotonic() + limit
         while time.monotonic() < end:
             with self._lock:
-                if self._active == 0:
+                if self._owed == 0:
                     return
             time.sleep(0.05)
 
@@ -181,6 +209,7 @@ class SenderHost:
     # --- one task's connection ----------------------------------------------------
 
     def _serve(self, conn: socket.socket) -> None:
+        owed = 0
         try:
             with conn:
                 try:
@@ -188,6 +217,9 @@ class SenderHost:
                 except (OSError, EOFError, ValueError) as e:
                     log.warning("dropped a local connection: %s", e)
                     return
+                owed = int(kind in (KIND_MANIFEST, KIND_ABORT))
+                with self._lock:
+                    self._owed += owed
                 try:
                     answer = self._handle(kind, request, conn)
                 except _TaskGone as e:
@@ -203,6 +235,7 @@ class SenderHost:
         finally:
             with self._lock:
                 self._active -= 1
+                self._owed -= owed
                 self._last = time.monotonic()
 
     def _handle(self, kind: bytes, request: dict, conn: socket.socket) -> dict:

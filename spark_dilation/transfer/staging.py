@@ -22,7 +22,7 @@ import pyarrow as pa
 import pyarrow.ipc as ipc
 
 from ..errors import TransferError
-from .lifetime import try_lock
+from .lifetime import lock_held, try_lock
 from .protocol import Manifest
 
 MANIFEST_FILE = "manifest.json"
@@ -153,11 +153,11 @@ PROBE_PATIENCE = 2.0
 def take_lane_lock(staging: LaneStaging, patience: float = PROBE_PATIENCE) -> int | None:
     """The lane's lock on this machine (its file descriptor), or None if a process holds it.
 
-    A read task's :func:`host_alive` takes the lock for the instant of two system
-    calls. A host starting in that instant once took the probe for a live host and
-    left, and its read task failed ("its receiver process exited with code 0"). So
-    the lock is tried again until ``patience`` has passed: a probe has let go long
-    before; a live host holds it for good.
+    Where :func:`host_alive` cannot read ``/proc/locks`` it takes the lock for the
+    instant of two system calls. A host starting in that instant once took the
+    probe for a live host and left, and its read task failed ("its receiver process
+    exited with code 0"). So the lock is tried again until ``patience`` has passed:
+    a probe has let go long before; a live host holds it for good.
     """
     staging.ensure()
     deadline = time.monotonic() + patience
@@ -190,8 +190,4 @@ def host_alive(staging: LaneStaging) -> bool:
     """Whether a process holds the lane's lock (a live receiver)."""
     if not staging.dir.is_dir():
         return False  # removed: its host ended with the application
-    fd = try_lock(staging.dir / ".lock")
-    if fd is None:
-        return True
-    os.close(fd)  # drops the lock we got
-    return False
+    return lock_held(staging.dir / ".lock")
