@@ -124,11 +124,19 @@ def assert_prompt(since: float, **running: Running) -> None:
     assert all(t < BOUND for t in took.values()), took
 
 
+RAW = ("Traceback", "CRITICAL", "ERROR", "WARNING", "Unhandled error")
+
+
 def last_line(result: Result, returncode: int) -> str:
+    """The one ``spark-dilation:`` line, last; no traceback and no raw log line above it
+    (INFO lines only where ``-v`` asked for them)."""
     assert_failed(result, returncode)
     lines = result.stderr.splitlines()
     assert lines and lines[-1].startswith("spark-dilation: "), result.describe()
     assert sum(line.startswith("spark-dilation: ") for line in lines) == 1, result.describe()
+    verbose = "-v" in result.args
+    raw = [ln for ln in lines if ln.startswith(RAW) or (ln.startswith("INFO") and not verbose)]
+    assert raw == [], result.describe()
     return lines[-1]
 
 

@@ -2,7 +2,8 @@
 
 ``spark-dilation send --json`` and ``spark-dilation receive`` (plain progress:
 its stderr is a pipe) run as processes over the relay only (``--no-listen``
-on both sides), through a transit relay in a process of its own. Once rows
+on both sides), through a transit relay in a process of its own, reached
+through a proxy at 0.5 MB/s (the slow link of issue 30's fault rows). Once rows
 are arriving the test stops the relay process, kills it and starts it again
 on the same port; Dilation reconnects and the dataset arrives intact. What
 the two commands printed must say so: a ``reconnect`` JSON event and count
@@ -27,14 +28,15 @@ import pyarrow.parquet as pq
 import pytest
 from test_cli import Running, assert_ok, wait_while_running
 from test_cli_dataset import json_lines, procs, receive_cmd, send_cmd  # noqa: F401 (procs)
-from test_dilation_redial import Restartable, relay_url
+from test_dilation_redial import Restartable
 
 from spark_dilation.testing import TcpProxy
 from spark_dilation.testing.datasets import incompressible_parts
 
 PARTS = 4
-RATE = 8e6  # bytes/s through the relay proxy: the 28 MB take about 3.5 s
-ROWS = 200_000  # per file: about 7 MB, so one partition is far from done at its first bytes
+RATE = 0.5e6  # bytes/s through the relay proxy: the slow link of issue 30's rows
+ROWS = 40_000  # per file: 1.4 MB (3 s at RATE), so one partition is far from done at its
+# first bytes; the 5.6 MB take about 11 s
 
 
 @pytest.fixture
@@ -67,7 +69,10 @@ def test_relay_killed_mid_transfer_shows_reconnects_in_json_and_plain_output(
     tmp = tmp_path / "tmp"
     tmp.mkdir()
     monkeypatch.setenv("TMPDIR", str(tmp))
-    relay_hint = relay_url(relay)
+    # Through a rate-limited proxy, which connects to the relay's port anew each time.
+    proxy = TcpProxy("127.0.0.1", relay.relay_port)
+    proxy.limit_rate(RATE)
+    relay_hint = f"tcp:127.0.0.1:{proxy.port}"
     sender = procs(
         send_cmd(
             mailbox_url,
@@ -97,7 +102,10 @@ def test_relay_killed_mid_transfer_shows_reconnects_in_json_and_plain_output(
     relay.kill()  # SIGKILL: its connections are reset, as in a crash
     relay.start()  # the same port: the peers' redials find it again
 
-    sent, received = sender.finish(), receiver.finish()
+    try:
+        sent, received = sender.finish(), receiver.finish()
+    finally:
+        proxy.close()
     assert_ok(sent)
     assert_ok(received)
 

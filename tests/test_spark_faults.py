@@ -29,6 +29,7 @@ import os
 import signal
 import subprocess
 import sys
+import threading
 import time
 from collections.abc import Iterator
 from pathlib import Path
@@ -37,13 +38,18 @@ from typing import Any
 import pytest
 
 from spark_dilation.spark.dataset import ABORT_PREFIX
-from spark_dilation.testing import throttled_relay
+from spark_dilation.testing import TcpProxy, throttled_relay
+from spark_dilation.testing.datasets import incompressible_parts
 from spark_dilation.testing.leftovers import helper_processes
+from spark_dilation.testing.stepped_reader import SteppedReader
 from spark_dilation.testing.stepped_writer import SteppedWriter
 from spark_dilation.testing.waiting import wait_until
+from spark_dilation.transfer import TransferOptions
+from spark_dilation.transfer.api import DatasetSender
 from spark_dilation.transfer.sender import ABORT_TIMEOUT
 
 pytestmark = [
+    pytest.mark.timeout(900),  # 8 rounds of a Spark application's start on a loaded machine
     pytest.mark.xdist_group("spark_faults"),
     pytest.mark.skipif(os.geteuid() != 0, reason="mounts tmpfs (needs root)"),
 ]
@@ -57,6 +63,14 @@ ABORT_BOUND = ABORT_TIMEOUT + 1.0  # s the writer's abort() spent telling lanes 
 # loaded machine (task retries, a fresh Python worker for abort()); the row was 33-40 s.
 SAVE_BOUND = 30.0
 NO_SPACE = "No space left on device"
+# Every write gives up on a reader that never comes (a round that failed half-way),
+# so the next round's write is not queued behind it.
+PEER_WAIT = "120"
+SLOW_RATE = 0.5e6  # bytes/s once a cancel is near: the Dilation queue alone holds 16 s
+END_BOUND = 2.0  # s from a cancel until the other side ended (docs/transfer.md)
+# s until the Spark reader's action failed: its lanes' END_BOUND plus Spark failing
+# the job (measured 6-8 s; where Spark spends them is not established)
+SPARK_END_BOUND = 15.0
 
 
 def _start(env: dict[str, str]) -> Any:
@@ -144,7 +158,7 @@ def test_reading_application_killed_mid_transfer_round_after_round(
         staging.mkdir(parents=True)
         writer.send(
             code, ROWS, 4, shape="link", compression="none", relay=slow_relay,
-            no_listen="true", reconnect_timeout="60",
+            no_listen="true", reconnect_timeout="60", peer_timeout=PEER_WAIT,
         )  # fmt: skip
         reader = _start({"TMPDIR": str(tmp)})(
             [
@@ -215,7 +229,7 @@ def test_reading_side_staging_full_names_the_cause_round_after_round(
     figures = []
     for round_no in range(ROUNDS):
         code = f"{9200 + round_no}-staging-full"
-        writer.send(code, ROWS, 4, shape="link", compression="none")
+        writer.send(code, ROWS, 4, shape="link", compression="none", peer_timeout=PEER_WAIT)
         started = time.monotonic()
         with pytest.raises(Exception) as failed:
             spark.read.format("dilation").options(
@@ -239,3 +253,69 @@ def test_reading_side_staging_full_names_the_cause_round_after_round(
         wait_until("the writer's helpers to leave nothing", lambda: not _writer_left(writer), 30,
                    details=lambda: _writer_logs(writer))  # fmt: skip
     print(f"reading action seconds per round: {figures}")
+
+
+def test_a_cancelled_sender_ends_a_spark_reader_ahead_of_the_queued_data(
+    wormhole_servers: Any, tmp_path: Path
+) -> None:
+    """The Python API's sender is cancelled mid-transfer on a 0.5 MB/s link, megabytes
+    queued toward the reading application: its reader host hears the abort on the
+    directory link and passes it to its lane hosts, so the reading action fails with
+    the cause within SPARK_END_BOUND (behind the queue it would take over 16 s)."""
+    incompressible_parts(tmp_path / "src", 4, 300_000, seed=3)  # about 40 MB
+    staging = tmp_path / "staging"
+    with TcpProxy("127.0.0.1", wormhole_servers.relay_port) as proxy:
+        proxy.limit_rate(16e6)  # fast until the partitions are under way
+        hint = f"tcp:127.0.0.1:{proxy.port}"
+        opts = TransferOptions(
+            mailbox=wormhole_servers.mailbox_url, relay=hint, no_listen=True,
+            compression="none",
+        )  # fmt: skip
+        sender = DatasetSender(tmp_path / "src", options=opts)
+        box: dict[str, Any] = {}
+
+        def send() -> None:
+            try:
+                sender.wait()
+            except Exception as e:
+                box["error"], box["ended"] = e, time.monotonic()
+
+        threading.Thread(target=send, daemon=True).start()
+        reader = SteppedReader(
+            _start({"TMPDIR": str(tmp_path)}), tmp_path / "control", tmp_path / "reader.log",
+            code=sender.code, mailbox=wormhole_servers.mailbox_url, relay=hint,
+            master="local[2]", options=["no_listen=true", f"staging_dir={staging}"],
+        )  # fmt: skip
+        try:
+            assert "error" not in reader.loaded()
+            reader.start("count")
+            wait_until(
+                "partitions under way", lambda: list(staging.glob("*/lane-*/.p*.partial")), 240,
+                stop_if=lambda: "the reader ended" if reader.proc.poll() is not None else None,
+            )  # fmt: skip
+            proxy.limit_rate(SLOW_RATE)
+            cancelled = time.monotonic()
+            sender.cancel("the test")
+            # Each lane host ends its lane and records why (what its read task raises).
+            lanes_took = wait_until(
+                "every lane host to end its lane",
+                lambda: len(list(staging.glob("*/lane-*/error.json"))) == 2, 60,
+            )  # fmt: skip
+            got = reader.result(120)
+            read_took = time.monotonic() - cancelled
+            wait_until("the sender to end", lambda: "ended" in box, 60)
+            assert reader.step("stop")["action"] == "stop"
+            reader.proc.wait(60)
+        finally:
+            if reader.proc.poll() is None:
+                os.killpg(reader.proc.pid, signal.SIGKILL)
+                reader.proc.wait()
+    sent_took = box["ended"] - cancelled
+    print(f"sender cancelled: the lanes ended {lanes_took:.1f} s later, the reading action "
+          f"failed {read_took:.1f} s later, the sender ended {sent_took:.1f} s later")  # fmt: skip
+    assert "the sender cancelled the transfer (the test)" in got.get("error", ""), got
+    assert str(box["error"]).endswith("was cancelled (the test); the receiver was told"), box
+    assert lanes_took < END_BOUND and sent_took < END_BOUND, (lanes_took, sent_took)
+    assert read_took < SPARK_END_BOUND, read_took
+    wait_until("the reader's helpers to exit", lambda: not helper_processes(str(staging)), 30)
+    assert not staging.exists() or _rows(staging) == [], _files(staging)

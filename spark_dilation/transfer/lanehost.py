@@ -76,6 +76,10 @@ class RegisteredLane:
         # that removal for a deletion under it and exit the process half-way through.
         self.removing = threading.Event()
         self.launcher = launcher  # the read task's Python worker (or registry) that started it
+        # The writing end's abort, passed on by the registry; it may come before the
+        # lane's receiver exists (right after the claim's answer), which then takes it.
+        self._lock = threading.Lock()
+        self.aborted: Abort | None = None
 
     def run(self) -> int:
         from .laneshare import LaneServer, RegistryLink
@@ -86,6 +90,7 @@ class RegisteredLane:
         (self.staging.dir / "host.pid").write_text(str(os.getpid()))
         try:
             registry = RegistryLink(self.spec, self._application_ended)
+            registry.on_abort = self._writer_aborted
         except TransferError as e:
             write_host_error(self.staging, e)
             self._linger_for_launcher()
@@ -146,8 +151,11 @@ class RegisteredLane:
                 receiver = LaneReceiver(
                     self.spec, self.lane, self.staging, fd, epoch=epoch, causes=registry
                 )
-                self.receiver = receiver
+                with self._lock:
+                    self.receiver, aborted = receiver, self.aborted
                 receiver.start()
+                if aborted is not None:
+                    receiver.sender_ended(aborted, linger=0)
                 error = receiver.wait_finished()
                 receiver.stop(linger=2.0)
                 return error
@@ -180,6 +188,16 @@ class RegisteredLane:
         deadline = time.monotonic() + ORPHAN_LINGER
         while time.monotonic() < deadline and alive(self.launcher):
             time.sleep(0.2)
+
+    def _writer_aborted(self, body: dict[str, Any]) -> None:
+        """The writing end ended the transfer (heard by the registry on the directory
+        link, ahead of the data queued on our connections): end the lane now."""
+        abort = Abort.from_body(body)
+        log.info("lane %d: %s (directory link)", self.lane, abort.text("sender"))
+        with self._lock:
+            self.aborted, receiver = abort, self.receiver
+        if receiver is not None:
+            receiver.sender_ended(abort, linger=0)
 
     def copy_deleted(self) -> bool:
         """Whether the complete staged copy went under this host (a temp cleaner, a user),

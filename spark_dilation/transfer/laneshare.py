@@ -87,6 +87,8 @@ class RegistryLink:
 
         self.senders = sender_set(spec.transfer_id)
         self.lost = threading.Event()
+        # The writing end's abort, passed on by the registry: set by the lane host.
+        self.on_abort: Callable[[dict[str, Any]], None] = lambda _: None
         threading.Thread(target=self._read, daemon=True).start()
         keep_alive(self.link, PING, self.lost)
 
@@ -134,6 +136,12 @@ class RegistryLink:
                 message = self.link.recv_json(SILENCE)
                 if "senders" in message:  # the directory's introductions, for the doors
                     self.senders.add([int(s) for s in message["senders"]])
+                elif "abort" in message:
+                    # Not on this thread: ending the lane asks the registry for the cause,
+                    # whose answer only this thread reads.
+                    threading.Thread(
+                        target=self.on_abort, args=(message["abort"],), daemon=True
+                    ).start()
                 elif "ping" not in message:
                     self._answers.put(message)
         except (LinkError, ValueError, TypeError) as e:

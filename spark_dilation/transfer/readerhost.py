@@ -21,12 +21,17 @@ Frames (:mod:`.boxlink`, JSON)::
                            the transfer's cause, if any: :meth:`LaneRegistry.own_failure`)
     registry -> lane host: {"do": ...} (answers, in order; "receive" names the lane's
                            epoch) | {"senders": [ids]} | {"ping": 1}
+                           {"abort": {"reason", "cancelled"}} (the writing end's abort,
+                           heard on the directory link; also to a lane host that
+                           claims after it)
 
 It is also the reading end of the transfer's directory
 (:class:`~.rendezvous.ReadingEnd`): it publishes each lane's epoch (which
 rises each time a new host receives the lane) to the writing end, and passes
 every sender id the writing end issues on to the lane hosts, which open a
-door for each (:mod:`.directory`).
+door for each (:mod:`.directory`). The writing end's abort on that link is
+passed to every lane host, each of which ends its lane at once; the reading
+end then answers ``end`` (ahead of the data queued on the connections).
 """
 
 from __future__ import annotations
@@ -54,6 +59,7 @@ from .boxlink import (
     serve_connections,
 )
 from .lifetime import alive, owner_pid, read_private, spawn, write_private
+from .protocol import Abort
 from .registry import HostInfo, LaneRegistry
 from .spec import TransferSpec
 
@@ -87,6 +93,7 @@ class ReaderHost:
         self.received: dict[int, dict[str, Any]] = {}
         self.reported = False
         self.reading: Any = None  # the directory's reading end, from run()
+        self.aborted: dict[str, Any] | None = None  # the writing end's abort, once heard
 
     def run(self, ready_path: Path) -> int:
         port = self.server.getsockname()[1]
@@ -97,7 +104,7 @@ class ReaderHost:
         log.info("lane registry of %s on %s", self.spec.transfer_id, ready)
         from .rendezvous import ReadingEnd
 
-        self.reading = ReadingEnd(self.spec, self._introduce)
+        self.reading = ReadingEnd(self.spec, self._introduce, on_abort=self._writer_aborted)
         serve_connections(self.server, self._serve)
         hosted = self.spec.with_registry(tuple(ready["addresses"]), port)
         while alive(self.owner):
@@ -120,6 +127,16 @@ class ReaderHost:
         """New senders: every lane host hears the whole list (its receiver opens doors)."""
         message = {"senders": sorted(self.reading.senders)}
         with self.lock:
+            links = list(self.links)
+        for link in links:
+            with contextlib.suppress(LinkError):
+                link.send_json(message)
+
+    def _writer_aborted(self, abort: Abort) -> None:
+        """The writing end ended the transfer (directory link): every lane host hears it."""
+        message = {"abort": {"reason": abort.reason, "cancelled": abort.cancelled}}
+        with self.lock:
+            self.aborted = message["abort"]
             links = list(self.links)
         for link in links:
             with contextlib.suppress(LinkError):
@@ -187,6 +204,8 @@ class ReaderHost:
                             senders = sorted(self.reading.senders)
                             if senders:
                                 link.send_json({"senders": senders})
+                            if self.aborted is not None:
+                                link.send_json({"abort": self.aborted})
                     elif "done" in message and host is not None:
                         self.registry.done(int(message["done"]), host)
                         self._received(message)

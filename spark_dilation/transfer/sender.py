@@ -709,29 +709,23 @@ def deliver_abort(
 
     On a connection the abort travels behind the data already queued on it
     (up to the Dilation queue's high-water mark plus the socket buffers:
-    half a minute on a 0.5 MB/s link). So a ``reached_only`` abort that is not
-    confirmed within :data:`FRESH_ABORT_AFTER` also goes over a new connection
-    (the lanes' next doors), which carries nothing else; the first to confirm
-    wins and the receiver ignores the second.
+    half a minute on a 0.5 MB/s link). So where this process is the writing
+    end, the abort also goes through the directory link (the mailbox), and a
+    reading end that knows it answers at once; a ``reached_only`` abort that
+    is confirmed neither way within :data:`FRESH_ABORT_AFTER` also goes over a
+    new connection (the lanes' next doors), which carries nothing else. The
+    first confirmation wins; the receiver ignores the others.
     """
     if connections is not None and connections.receiver_ended(spec.transfer_id):
         log.info("the receiver ended transfer %s itself: no abort to tell", spec.transfer_id)
         return True
     abort = Abort(reason, cancelled)
-    message = abort.encode()
+    lanes = connections.lanes_connected(spec.transfer_id) if reached_only and connections else []
     try:
-        lanes = (
-            connections.lanes_connected(spec.transfer_id) if reached_only and connections else []
-        )
-        if lanes and connections is not None:
+        if lanes:
             _abort_soonest(spec, abort, timeout, connections, lanes)
-        else:
-            deliver_control(
-                spec,
-                message,
-                timeout=timeout,
-                connections=None if reached_only else connections,  # none reached: pair anew
-            )
+        else:  # every lane on ``connections``, or none reached: over new connections
+            _abort_soonest(spec, abort, timeout, None if reached_only else connections, None)
         return True
     except (DilationError, TimeoutError) as e:
         log.warning("could not tell every lane about the abort: %s", e)
@@ -745,27 +739,33 @@ def _abort_soonest(
     spec: TransferSpec,
     abort: Abort,
     timeout: float,
-    connections: ConnectionPool,
-    lanes: list[int],
+    connections: ConnectionPool | None,
+    lanes: list[int] | None,
 ) -> None:
-    """The abort on the pooled connections and, where this process is the writing end,
-    through the directory link; raced after a moment by new connections; first wins."""
+    """Race the ways to tell the lanes; return at the first confirmation.
+
+    * in-band: ``lanes`` (any one confirming is enough: the receiver ends them
+      all) on ``connections``, or every lane (each confirming) when ``lanes``
+      is None;
+    * the directory link, where this process is the writing end;
+    * with ``lanes``, after :data:`FRESH_ABORT_AFTER`: new connections to them.
+    """
     deadline = time.monotonic() + timeout
     done = threading.Event()
     errors: list[BaseException] = []
     fresh = ConnectionPool()
 
-    def tell(pool: ConnectionPool) -> None:
+    def tell(pool: ConnectionPool | None) -> None:
         try:
             deliver_control(spec, abort.encode(), timeout=timeout, connections=pool,
-                            lanes=lanes, any_lane=True)  # fmt: skip
+                            lanes=lanes, any_lane=lanes is not None)  # fmt: skip
             done.set()
         except BaseException as e:
             errors.append(e)
 
     def tell_directory(view: SenderView, tell_abort: Callable[[str, bool], None]) -> None:
         # The mailbox carries nothing else: the reading end hears it in a round trip
-        # and answers "end" once its lanes ended (a reading end that does not know
+        # and answers "end" once its lanes were told (a reading end that does not know
         # "abort" never answers, and the in-band abort decides).
         tell_abort(abort.reason, abort.cancelled)
         if view.wait_ended(deadline):
@@ -775,12 +775,13 @@ def _abort_soonest(
     racers = [threading.Thread(target=tell, args=(connections,), daemon=True, name="abort")]
     racers[0].start()
     view = registered_view(spec.transfer_id)
-    if view is not None and view.tell_abort is not None:
+    tell_abort = view.tell_abort if view is not None else None
+    if tell_abort is not None:
         threading.Thread(
-            target=tell_directory, args=(view, view.tell_abort), name="abort-dir", daemon=True
+            target=tell_directory, args=(view, tell_abort), name="abort-dir", daemon=True
         ).start()
     try:
-        if not done.wait(FRESH_ABORT_AFTER):
+        if lanes is not None and not done.wait(FRESH_ABORT_AFTER):
             log.info(
                 "the abort waits behind queued data: telling the lanes on a new connection too"
             )
@@ -789,7 +790,7 @@ def _abort_soonest(
             )
             racers[-1].start()
         confirmed = _first_confirmed(done, racers, deadline)
-        if not confirmed and view is not None and view.tell_abort is not None:
+        if not confirmed and tell_abort is not None:
             # The connections are done with (failed): the directory's answer may still
             # come, a moment later, from a receiver that ended on it.
             confirmed = done.wait(max(0.0, min(1.0, deadline - time.monotonic())))
