@@ -284,6 +284,15 @@ def _send(w: Any, data: bytes) -> None:
         )
 
 
+def _wait_ended(cond: threading.Condition, state: DirectoryState, deadline: float) -> str:
+    """The other end's ``end`` in ``state`` (merged under ``cond``, which is notified),
+    waiting until ``deadline``; "" if none came."""
+    with cond:
+        while not state.ended and time.monotonic() < deadline:
+            cond.wait(min(POLL, max(0.0, deadline - time.monotonic())))
+        return state.ended
+
+
 class ReadingEnd:
     """The reading end of a transfer's directory: the lanes' epochs out, the senders in.
 
@@ -340,10 +349,7 @@ class ReadingEnd:
 
     def wait_ended(self, deadline: float) -> str:
         """The writing end's ``end`` (it heard our abort), waiting until ``deadline``."""
-        with self._cond:
-            while not self._state.ended and time.monotonic() < deadline:
-                self._cond.wait(min(POLL, max(0.0, deadline - time.monotonic())))
-            return self._state.ended
+        return _wait_ended(self._cond, self._state, deadline)
 
     def _ended(self, why: str) -> None:
         if not self.ended.is_set():
@@ -402,10 +408,7 @@ class SenderView:
 
     def wait_ended(self, deadline: float) -> str:
         """The reading end's ``end``, waiting for it until ``deadline``; "" if none came."""
-        with self._cond:
-            while not self._state.ended and time.monotonic() < deadline:
-                self._cond.wait(min(POLL, max(0.0, deadline - time.monotonic())))
-            return self._state.ended
+        return _wait_ended(self._cond, self._state, deadline)
 
     def door(self, lane: int, deadline: float, cancelled: Callable[[], bool], what: str) -> Door:
         """The door for a new connection to ``lane``, once its epoch is known (blocking)."""
