@@ -22,6 +22,7 @@ from __future__ import annotations
 import argparse
 import json
 import os
+import stat
 import sys
 import time
 from typing import Any
@@ -53,6 +54,28 @@ LINK_COLUMNS = (
     "substr(sha2(CAST(id AS STRING), 256), 1, 16) AS s",
 )
 SHAPES = {"rich": RICH_COLUMNS, "bench": BENCH_COLUMNS, "link": LINK_COLUMNS}
+
+
+def _await_forwarded_report(timeout: float = 15.0) -> None:
+    """Wait until the transfer report reached our stderr (when it is a file).
+
+    ``commit()`` logs the report in a Python worker; the JVM copies that
+    worker's stderr to ours on a thread of its own, which may not have run
+    when ``save()`` returns. Stopping the application then would lose it.
+    """
+    from spark_dilation.spark.dataset import REPORT_PREFIX
+
+    try:
+        if not stat.S_ISREG(os.fstat(2).st_mode):
+            return
+    except OSError:
+        return
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        with open("/proc/self/fd/2", errors="replace") as ours:  # a fresh offset
+            if REPORT_PREFIX in ours.read():
+                return
+        time.sleep(0.1)
 
 
 def session(
@@ -207,6 +230,7 @@ def main(argv: list[str] | None = None) -> int:
             result["t0"] = time.time()
             df.write.format("dilation").options(**options).mode("append").save()
             result["t1"] = time.time()
+            _await_forwarded_report()
             result["rows"] = args.rows
         else:
             result["t0"] = time.time()

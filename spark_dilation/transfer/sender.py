@@ -290,6 +290,8 @@ class ConnectionPool:
                     status = conn.status()
                 except DilationError:
                     continue
+                except crochet.ReactorStopped:  # the process is exiting
+                    return
                 acked, queued = progress.setdefault(key[0], ({}, {}))
                 # By id: the meter must not keep closed connections alive.
                 acked[id(conn)], queued[id(conn)] = status.acked_bytes, status.queued_bytes
