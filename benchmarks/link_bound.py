@@ -306,7 +306,7 @@ class Timeline:
 
 def _kind(cmdline: str) -> str:
     for needle, kind in (
-        ("senderhost", "sender-host"), ("lanehost", "lane-host"), ("readerhost", "lane-host"),
+        ("senderhost", "sender-host"), ("lanehost", "lane-host"), ("registryhost", "lane-host"),
         ("spark_dilation.servers", "mailbox+relay"), ("pyspark.daemon", "python-workers"),
         ("pyspark.worker", "python-workers"), ("java", "spark-jvm"), ("spark_peer", "driver-py"),
     ):  # fmt: skip

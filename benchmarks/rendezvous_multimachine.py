@@ -71,7 +71,7 @@ PLANS: dict[str, tuple[int, list[str], list[str]]] = {
 STAMP = r"^(\d{4}-\d\d-\d\d \d\d:\d\d:\d\d,\d{3}) "
 HOSTING = re.compile(STAMP + r".*lane (\d+) \(epoch (\d+)\): receiving; a door for each sender")
 CONNECTED = re.compile(STAMP + r".*lane (\d+) \(epoch (\d+)\): sender (\d+) of lane \d+ connected")
-HELPERS = ("lanehost", "readerhost", "senderhost")
+HELPERS = ("lanehost", "registryhost", "senderhost")
 CROWDED = re.compile("crowded", re.IGNORECASE)
 
 

@@ -104,9 +104,9 @@ class ProcSampler:
                 continue
             side = self.side.get(pid)
             if side is None:
-                if "spark_dilation.transfer.lanehost" in cmd:
+                if "spark_dilation.transfer.receive.lanehost" in cmd:
                     side = "receive"
-                elif "spark_dilation.transfer.senderhost" in cmd:
+                elif "spark_dilation.transfer.send.senderhost" in cmd:
                     side = "send"  # reparented to init once its planner worker ends
                 else:
                     p = pid

@@ -29,7 +29,7 @@ from pathlib import Path
 from typing import TextIO
 
 from .cli_progress import size_text
-from .transfer.lifetime import alive, lock_held
+from .transfer.machine import alive, lock_held
 
 KEEP_PREFIXES = ("receive-",)  # received files a user may still read
 

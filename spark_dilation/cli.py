@@ -30,7 +30,7 @@ from twisted.internet import defer, threads
 from . import __version__, cleanup, cli_signals
 from .cli_progress import Reporter, pick_mode
 from .errors import DilationError, Interrupted, TransferError
-from .transfer.options import DEFAULT_RELAY_URL, TransferOptionError, resolve_relay
+from .transfer.rules.options import DEFAULT_RELAY_URL, TransferOptionError, resolve_relay
 from .transit import filetransfer, offers
 from .transit.connector import TransitConnector
 from .wormhole import DEFAULT_MAILBOX_URL, Wormhole
@@ -425,7 +425,7 @@ def _connector(reactor: Any, args: argparse.Namespace, is_sender: bool) -> Trans
 
 
 def _transfer_options(args: argparse.Namespace, **extra: Any) -> Any:
-    from .transfer.options import TransferOptions
+    from .transfer.rules.options import TransferOptions
 
     return TransferOptions(
         mailbox=args.mailbox,
@@ -463,7 +463,7 @@ def _code_banner(code: str, err: TextIO, how: str) -> None:
 
 
 def send(args: argparse.Namespace, reporter: Reporter) -> None:
-    from .transfer.options import COMPRESSION_OPTIONS
+    from .transfer.rules.options import COMPRESSION_OPTIONS
 
     if args.compression not in COMPRESSION_OPTIONS:  # CLI wording, before the code is used
         raise ValueError(
@@ -563,7 +563,7 @@ def send_classic(
 
 
 def receive(args: argparse.Namespace, reporter: Reporter) -> None:
-    from .transfer.options import RECEIVE_FORMATS
+    from .transfer.rules.options import RECEIVE_FORMATS
 
     if args.format not in RECEIVE_FORMATS:
         raise ValueError(f"--format {args.format}: choose {', '.join(RECEIVE_FORMATS)}")
@@ -645,7 +645,7 @@ def receive_session_or_classic(
     reactor: Any, args: argparse.Namespace, out: TextIO, err: TextIO, reporter: Reporter
 ) -> Any:
     """Open the code: agree on a dataset (returns (spec, dest)), or take a text or file (None)."""
-    from .transfer.protocol import PROTOCOL, SESSION_RECEIVER, session_versions
+    from .transfer.rules.protocol import PROTOCOL, SESSION_RECEIVER, session_versions
 
     w = yield _open(reactor, args, err, app_versions=session_versions(SESSION_RECEIVER))
 
@@ -676,7 +676,7 @@ def receive_session_or_classic(
         if PROTOCOL in versions:
             # pyarrow's dataset layer takes most of a second to import: after the prompt.
             from .transfer.api import format_refusal
-            from .transfer.session import accept_offer
+            from .transfer.meet.session import accept_offer
 
             dest = _dataset_dest(args, code)
 

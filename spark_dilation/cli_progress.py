@@ -26,7 +26,7 @@ import threading
 import time
 from typing import Any, TextIO
 
-from .transfer.report import Progress, path_of
+from .transfer.rules.report import Progress, path_of
 
 MODES = ("bar", "plain", "quiet", "json")
 

@@ -366,9 +366,9 @@ def _refuse_own_code(code: str, mailbox: str | None, ended: threading.Event) -> 
     from twisted.internet import defer, threads
 
     from .errors import DilationError
-    from .transfer.options import TransferOptions
-    from .transfer.protocol import SESSION_RECEIVER, session_versions
-    from .transfer.session import SESSION_APPID, accept_offer
+    from .transfer.meet.session import SESSION_APPID, accept_offer
+    from .transfer.rules.options import TransferOptions
+    from .transfer.rules.protocol import SESSION_RECEIVER, session_versions
     from .wormhole.blocking import call_soon
     from .wormhole.client import Wormhole
 

@@ -48,7 +48,7 @@ from spark_dilation.testing.terminal import Terminal
 from spark_dilation.testing.waiting import wait_until
 from spark_dilation.transfer import TransferOptions, receive_dataset
 from spark_dilation.transfer.api import DatasetSender
-from spark_dilation.transfer.staging import TransferAbortedError
+from spark_dilation.transfer.rules.errors import TransferAbortedError
 
 PARTS = 4
 ROWS = 300_000  # per file: about 10 MB of incompressible rows

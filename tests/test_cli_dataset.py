@@ -366,7 +366,7 @@ def test_progress_lines_and_json_events() -> None:
     import io
 
     from spark_dilation.cli_progress import Reporter
-    from spark_dilation.transfer.report import Progress
+    from spark_dilation.transfer.rules.report import Progress
 
     def snapshots() -> list[Progress]:
         base = {"side": "send", "seconds": 1.0, "total_rows": 100, "connections": 2}

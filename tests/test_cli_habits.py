@@ -16,7 +16,7 @@ import pyarrow.parquet as pq
 import pytest
 
 from spark_dilation import cli
-from spark_dilation.transfer.options import (
+from spark_dilation.transfer.rules.options import (
     DEFAULT_RELAY_URL,
     RELAY_ENV,
     TransferOptions,

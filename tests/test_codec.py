@@ -18,11 +18,12 @@ import pyarrow as pa
 import pytest
 
 from spark_dilation.testing import TcpProxy
-from spark_dilation.transfer import codec, receive_dataset, send_in_background
-from spark_dilation.transfer.codec import Choice, CpuCost, Link, choose
-from spark_dilation.transfer.options import TransferOptionError, TransferOptions
-from spark_dilation.transfer.protocol import TAG_DATA, Offer, PartitionEncoder
-from spark_dilation.transfer.staging import read_staged
+from spark_dilation.transfer import receive_dataset, send_in_background
+from spark_dilation.transfer.receive.staging import read_staged
+from spark_dilation.transfer.rules import codec
+from spark_dilation.transfer.rules.codec import Choice, CpuCost, Link, choose
+from spark_dilation.transfer.rules.options import TransferOptionError, TransferOptions
+from spark_dilation.transfer.rules.protocol import TAG_DATA, Offer, PartitionEncoder
 
 COSTS = (
     CpuCost("lz4", None, 600.0, 0.9),
@@ -199,7 +200,7 @@ def test_auto_to_a_receiver_without_parquet_uses_arrow_ipc(
     mailbox_url: str, slow_relay: str, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:
     """A receiver whose answer lists no formats (an older one) gets zstd Arrow IPC."""
-    from spark_dilation.transfer import session
+    from spark_dilation.transfer.meet import session
 
     monkeypatch.setattr(session, "RECEIVER_FORMATS", ())
     t = table(100_000)

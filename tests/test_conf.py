@@ -10,7 +10,7 @@ import pytest
 
 from spark_dilation.spark.datasource import WRITE_OPTIONS
 from spark_dilation.spark.options import KNOWN_OPTIONS
-from spark_dilation.transfer.options import TransferOptions
+from spark_dilation.transfer.rules.options import TransferOptions
 
 CONF = Path(__file__).resolve().parent.parent / "conf"
 NAME = re.compile(r"^`(\w+)`$")
@@ -158,8 +158,8 @@ def test_transfer_connections_give_up_after_the_options_reconnect_timeout(
 ) -> None:
     """Lanes and senders dilate with reconnect_timeout, not Dilation's own default (300 s)."""
     import spark_dilation.dilation.api as dilation_api
-    from spark_dilation.transfer.directory import Door
-    from spark_dilation.transfer.rendezvous import Paired, dilate_paired
+    from spark_dilation.transfer.meet.rendezvous import Paired, dilate_paired
+    from spark_dilation.transfer.rules.directory import Door
     from spark_dilation.wormhole.blocking import ensure_reactor
 
     ensure_reactor()

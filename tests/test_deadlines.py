@@ -21,7 +21,7 @@ from test_cli import Running, last_error_line, new_code, ours
 
 from spark_dilation.errors import PeerTimeoutError, TransferError, WrongCodeError
 from spark_dilation.testing.waiting import wait_until
-from spark_dilation.transfer.options import TransferOptionError, TransferOptions
+from spark_dilation.transfer.rules.options import TransferOptionError, TransferOptions
 
 
 @pytest.fixture
@@ -209,7 +209,7 @@ def test_sender_host_works_under_a_tmpdir_longer_than_the_socket_limit(
 
     from test_sender_host import agree, table
 
-    from spark_dilation.transfer.hostlink import (
+    from spark_dilation.transfer.send.hostlink import (
         deliver_manifest_via_host,
         host_dir,
         send_partition_via_host,
@@ -382,8 +382,8 @@ def test_without_proc_a_long_socket_path_is_one_clear_warning(
     import logging
     import tempfile
 
-    from spark_dilation.transfer import hostlink
-    from spark_dilation.transfer.spec import TransferSpec
+    from spark_dilation.transfer.rules.spec import TransferSpec
+    from spark_dilation.transfer.send import hostlink
 
     long_tmp = tmp_path / ("l" * 150)
     monkeypatch.setattr(tempfile, "tempdir", str(long_tmp))
@@ -406,7 +406,7 @@ def test_a_connection_never_up_is_connecting_not_reconnecting() -> None:
 
     from spark_dilation.cli_progress import Reporter
     from spark_dilation.dilation import DilationStatus
-    from spark_dilation.transfer.report import Progress, is_connecting, is_reconnecting
+    from spark_dilation.transfer.rules.report import Progress, is_connecting, is_reconnecting
 
     first = DilationStatus(down_since=1.0)  # trying its first connection
     again = DilationStatus(down_since=1.0, connections=1)  # was up, lost it

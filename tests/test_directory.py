@@ -1,4 +1,4 @@
-"""The directory's pure rules (spark_dilation.transfer.directory): ids, epochs, doors, codes."""
+"""The directory's pure rules (transfer.rules.directory): ids, epochs, doors, codes."""
 
 from __future__ import annotations
 
@@ -6,7 +6,7 @@ import random
 
 import pytest
 
-from spark_dilation.transfer.directory import (
+from spark_dilation.transfer.rules.directory import (
     DirectoryState,
     Door,
     LaneDoors,

@@ -23,7 +23,7 @@ from wormhole import _hints as ref  # the reference: a test-only oracle
 
 from spark_dilation.dilation.blocking import BlockingDilation
 from spark_dilation.dilation.connector import GenerationConnector
-from spark_dilation.transfer.report import TransferReport
+from spark_dilation.transfer.rules.report import TransferReport
 from spark_dilation.transit import hints as H
 from spark_dilation.transit.addresses import (
     default_route_addresses,

@@ -25,10 +25,12 @@ import pytest
 
 from spark_dilation.testing.waiting import wait_until
 from spark_dilation.transfer import TransferOptions, send_dataset
-from spark_dilation.transfer.lane import CannotHealError
-from spark_dilation.transfer.laneread import read_lane, start_lanes
-from spark_dilation.transfer.readerhost import start_reader_host
-from spark_dilation.transfer.registry import (
+from spark_dilation.transfer.meet.session import receive_session
+from spark_dilation.transfer.receive.lane import CannotHealError
+from spark_dilation.transfer.receive.laneread import read_lane, start_lanes
+from spark_dilation.transfer.receive.registryhost import start_registry_host
+from spark_dilation.transfer.receive.staging import LaneStaging
+from spark_dilation.transfer.rules.registry import (
     DONE,
     FAILED,
     HOSTED_CLAIM_WAIT,
@@ -38,8 +40,6 @@ from spark_dilation.transfer.registry import (
     HostInfo,
     LaneRegistry,
 )
-from spark_dilation.transfer.session import receive_session
-from spark_dilation.transfer.staging import LaneStaging
 
 
 def host(name: str) -> HostInfo:
@@ -244,7 +244,7 @@ def test_any_machine_reads_any_lane_until_every_copy_is_gone(
     owner = subprocess.Popen(["sleep", "600"])  # the driver JVM's stand-in
     try:
         spec = receive_session(code, TransferOptions(lanes=2, **opts))
-        spec = start_reader_host(spec, owner=owner.pid)
+        spec = start_registry_host(spec, owner=owner.pid)
         machine = {name: on_machine(spec, tmp_path / name) for name in "abcd"}
 
         # First action: machine a receives both lanes from the sender (all lanes at once).
@@ -305,9 +305,9 @@ def test_any_machine_reads_any_lane_until_every_copy_is_gone(
         # the application) is init's child from the start: it must not take init for its
         # launcher and keep its error for ORPHAN_LINGER (a CI run saw lane hosts outlive
         # their application by 30 s this way).
-        from spark_dilation.transfer.lanehost import ORPHAN_LINGER
-        from spark_dilation.transfer.laneshare import REGISTRY_CONNECT
-        from spark_dilation.transfer.lifetime import spawn, write_private
+        from spark_dilation.transfer.machine import spawn, write_private
+        from spark_dilation.transfer.receive.lanehost import ORPHAN_LINGER
+        from spark_dilation.transfer.receive.laneshare import REGISTRY_CONNECT
 
         gone_task = subprocess.Popen(["true"])
         gone_task.wait()
@@ -317,7 +317,7 @@ def test_any_machine_reads_any_lane_until_every_copy_is_gone(
         staging.ensure()
         spec_path = write_private(staging.dir, on_machine(spec, tmp_path / "f"))
         orphan = spawn(
-            "spark_dilation.transfer.lanehost",
+            "spark_dilation.transfer.receive.lanehost",
             [str(spec_path), "1", str(gone_task.pid)],
             staging.dir / "host.log",
         )
@@ -345,7 +345,7 @@ def test_a_lane_the_registry_receives_is_received_again_when_its_receiver_dies(
     try:
         spec = receive_session(code, TransferOptions(lanes=2, **opts))
         driver = on_machine(spec, tmp_path / "driver")
-        spec = start_reader_host(driver, owner=owner.pid)
+        spec = start_registry_host(driver, owner=owner.pid)
         got: dict[str, Any] = {}
 
         def read_lane0() -> None:
@@ -384,8 +384,8 @@ def test_a_lane_the_registry_receives_is_received_again_when_its_receiver_dies(
 # A read task's worker: reads lane 1, prints its host's pid and the error, exits.
 LATE_READ_TASK = """
 import pickle, sys
-from spark_dilation.transfer.laneread import read_lane
-from spark_dilation.transfer.staging import LaneStaging
+from spark_dilation.transfer.receive.laneread import read_lane
+from spark_dilation.transfer.receive.staging import LaneStaging
 spec = pickle.loads(open(sys.argv[1], "rb").read())
 staging = LaneStaging(spec.options.staging_root, spec.transfer_id, 1)
 try:

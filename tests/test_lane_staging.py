@@ -18,26 +18,21 @@ import pyarrow as pa
 import pytest
 
 from spark_dilation.errors import TransferError
-from spark_dilation.transfer import lifetime
-from spark_dilation.transfer.lane import LaneReceiver, LocalCauses
-from spark_dilation.transfer.lifetime import try_lock
-from spark_dilation.transfer.options import TransferOptions
-from spark_dilation.transfer.partition import PartitionStream
-from spark_dilation.transfer.protocol import (
+from spark_dilation.transfer import machine as lifetime
+from spark_dilation.transfer.machine import try_lock
+from spark_dilation.transfer.receive.lane import LaneReceiver, LocalCauses
+from spark_dilation.transfer.receive.staging import LaneStaging, host_alive, take_lane_lock
+from spark_dilation.transfer.rules.errors import StagingError, TransferAbortedError
+from spark_dilation.transfer.rules.options import TransferOptions
+from spark_dilation.transfer.rules.protocol import (
     TAG_ERROR,
     TAG_TRAILER,
     Abort,
     decode_message,
     schema_bytes,
 )
-from spark_dilation.transfer.spec import TransferSpec
-from spark_dilation.transfer.staging import (
-    LaneStaging,
-    StagingError,
-    TransferAbortedError,
-    host_alive,
-    take_lane_lock,
-)
+from spark_dilation.transfer.rules.spec import TransferSpec
+from spark_dilation.transfer.send.stream import PartitionStream
 
 TABLE = pa.table({"id": pa.array(range(1000), pa.int64())})
 

@@ -13,7 +13,7 @@ import itertools
 from collections.abc import Callable
 from typing import Any
 
-from spark_dilation.transfer.lanehost import RegisteredLane
+from spark_dilation.transfer.receive.lanehost import RegisteredLane
 
 REMOVAL = ("set the flag", "delete the manifest")  # _application_ended's order
 

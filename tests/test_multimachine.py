@@ -123,7 +123,7 @@ def _holders(cluster: Cluster) -> dict[int, set[str]]:
 
 def _receive_report(cluster: Cluster, timeout: float = 30) -> dict[str, Any]:
     """The receive report the lane registry logged on the reader's driver machine."""
-    from spark_dilation.transfer.readerhost import RECEIVE_REPORT_PREFIX
+    from spark_dilation.transfer.receive.registryhost import RECEIVE_REPORT_PREFIX
 
     def report() -> dict[str, Any] | None:
         for log in (cluster.driver.tmp / "spark-dilation").glob("registry-*/host.log"):
@@ -166,7 +166,7 @@ def _helpers(cluster: Cluster, *modules: str) -> list[str]:
 
 
 def _lane_hosts(cluster: Cluster) -> list[str]:
-    return _helpers(cluster, "lanehost", "readerhost")
+    return _helpers(cluster, "lanehost", "registryhost")
 
 
 def _helper_logs(cluster: Cluster, n: int = 40) -> str:

@@ -12,21 +12,22 @@ import numpy as np
 import pyarrow as pa
 import pytest
 
-from spark_dilation.transfer import pqformat, receive_dataset, send_in_background
-from spark_dilation.transfer.lane import _ParquetStaging
-from spark_dilation.transfer.options import TransferOptions
-from spark_dilation.transfer.partition import PartitionStream
-from spark_dilation.transfer.protocol import (
+from spark_dilation.transfer import receive_dataset, send_in_background
+from spark_dilation.transfer.receive.lane import _ParquetStaging
+from spark_dilation.transfer.receive.staging import read_staged
+from spark_dilation.transfer.rules import pqformat
+from spark_dilation.transfer.rules.errors import ProtocolError
+from spark_dilation.transfer.rules.options import TransferOptions
+from spark_dilation.transfer.rules.protocol import (
     TAG_DATA,
     TAG_HEADER,
     Accept,
     Offer,
     PartitionEncoder,
-    ProtocolError,
     decode_message,
 )
-from spark_dilation.transfer.spec import TransferSpec
-from spark_dilation.transfer.staging import read_staged
+from spark_dilation.transfer.rules.spec import TransferSpec
+from spark_dilation.transfer.send.stream import PartitionStream
 
 
 def rich(rows: int = 3000) -> pa.Table:
@@ -121,7 +122,7 @@ def test_decoding_a_frame_does_not_import_pandas(tmp_path: Path) -> None:
     frame.write_bytes(pqformat.encode_chunk(table))
     child = (
         "import sys, pyarrow as pa\n"
-        "from spark_dilation.transfer.pqformat import ChunkDecoder\n"
+        "from spark_dilation.transfer.rules.pqformat import ChunkDecoder\n"
         "schema = pa.schema([('id', pa.int64()), ('s', pa.string())])\n"
         f"(got,) = ChunkDecoder(schema).feed(open({str(frame)!r}, 'rb').read())\n"
         "assert got.num_rows == 1000, got.num_rows\n"
@@ -180,7 +181,7 @@ def test_the_format_is_much_smaller_than_zstd_ipc_on_the_benchmarks_data() -> No
 
 
 def spec_for(schema: pa.Schema, compression: str, formats: tuple[str, ...]) -> TransferSpec:
-    from spark_dilation.transfer.protocol import schema_bytes
+    from spark_dilation.transfer.rules.protocol import schema_bytes
 
     return TransferSpec(
         "ab" * 16, b"s" * 32, 1, schema_bytes(schema), compression, TransferOptions(),

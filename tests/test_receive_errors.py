@@ -24,9 +24,8 @@ from test_cli import ERROR_PREFIX, Result, Running, ours
 from test_cli_dataset import mixed
 
 from spark_dilation.transfer import TransferOptions, receive_dataset, send_in_background
-from spark_dilation.transfer.partition import ReceiverFailedError
-from spark_dilation.transfer.protocol import Offer
-from spark_dilation.transfer.staging import StagingError
+from spark_dilation.transfer.rules.errors import ReceiverFailedError, StagingError
+from spark_dilation.transfer.rules.protocol import Offer
 
 pytestmark = pytest.mark.skipif(os.geteuid() != 0, reason="mounts tmpfs (needs root)")
 

@@ -1,6 +1,6 @@
 """Meeting by introduction, end to end: the directory's rules driving real claims.
 
-Lanes and senders are driven exactly as ``spark_dilation.transfer.directory``
+Lanes and senders are driven exactly as ``spark_dilation.transfer.rules.directory``
 says: every code a client claims comes from ``LaneDoors`` (the lane host's open
 doors) or ``SenderDoors`` (a sender's connection), never from the test. Each
 claim is one ``WormholeCore`` against the real mailbox server code
@@ -26,7 +26,7 @@ import time
 import pytest
 from mailbox_harness import DOWN, Harness
 
-from spark_dilation.transfer.directory import (
+from spark_dilation.transfer.rules.directory import (
     DirectoryState,
     Door,
     LaneDoors,

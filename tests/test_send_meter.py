@@ -11,7 +11,7 @@ from typing import Any
 import pyarrow as pa
 
 from spark_dilation.transfer.api import _SendMeter, confirmed_rows
-from spark_dilation.transfer.report import ConnectionStats
+from spark_dilation.transfer.rules.report import ConnectionStats
 
 
 class Pool:

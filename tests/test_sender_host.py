@@ -19,7 +19,9 @@ import pytest
 
 from spark_dilation.testing.waiting import wait_until
 from spark_dilation.transfer import TransferOptions, receive_dataset
-from spark_dilation.transfer.hostlink import (
+from spark_dilation.transfer.meet.hub import SenderHub
+from spark_dilation.transfer.meet.session import SenderSession
+from spark_dilation.transfer.send.hostlink import (
     _LEN,
     KIND_PARTITION,
     _connect,
@@ -29,9 +31,7 @@ from spark_dilation.transfer.hostlink import (
     socket_path,
     start_sender_host,
 )
-from spark_dilation.transfer.hub import SenderHub
-from spark_dilation.transfer.partition import PartitionStream
-from spark_dilation.transfer.session import SenderSession
+from spark_dilation.transfer.send.stream import PartitionStream
 
 
 def table(rows: int, start: int = 0) -> pa.Table:
@@ -148,8 +148,8 @@ def test_a_host_that_dies_mid_partition_is_a_retryable_loss(opts: dict[str, Any]
     import os
     import signal
 
-    from spark_dilation.transfer.partition import LaneLostError
-    from spark_dilation.transfer.sender import deliver_manifest, send_partition
+    from spark_dilation.transfer.rules.errors import LaneLostError
+    from spark_dilation.transfer.send.pool import deliver_manifest, send_partition
 
     parts = [table(20_000, start=p * 20_000) for p in range(2)]
     spec, receiver, received = agree(parts[0].schema, opts)
@@ -184,7 +184,7 @@ def test_a_host_that_dies_mid_partition_is_a_retryable_loss(opts: dict[str, Any]
 def test_the_host_runs_the_session_for_writer(opts: dict[str, Any], tmp_path: Path) -> None:
     """writer()'s path: the host agrees on the code, hands the spec over, then serves."""
     from spark_dilation.errors import PeerTimeoutError
-    from spark_dilation.transfer.hostlink import HostLaunch
+    from spark_dilation.transfer.send.hostlink import HostLaunch
 
     # Nobody uses the code: the session's own error, same class and message. High
     # nameplates: the session's shared mailbox allocates low ones to other tests'

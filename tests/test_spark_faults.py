@@ -46,7 +46,7 @@ from spark_dilation.testing.stepped_writer import SteppedWriter
 from spark_dilation.testing.waiting import wait_until
 from spark_dilation.transfer import TransferOptions
 from spark_dilation.transfer.api import DatasetSender
-from spark_dilation.transfer.sender import ABORT_TIMEOUT
+from spark_dilation.transfer.send.pool import ABORT_TIMEOUT
 
 pytestmark = [
     pytest.mark.timeout(900),  # 8 rounds of a Spark application's start on a loaded machine
@@ -69,7 +69,7 @@ PEER_WAIT = "120"
 SLOW_RATE = 0.5e6  # bytes/s once a cancel is near: the Dilation queue alone holds 16 s
 END_BOUND = 2.0  # s from a cancel until the other side ended (docs/transfer.md)
 # s until a Spark reader's lanes ended (docs/transfer.md): three processes pass it on
-# (reader host, lane host, its receiver's stop); 0.2 s idle, 2.4 s on a loaded machine
+# (registry host, lane host, its receiver's stop); 0.2 s idle, 2.4 s on a loaded machine
 SPARK_LANES_BOUND = 5.0
 # s until the Spark reader's action failed: its lanes' END_BOUND plus Spark failing
 # the job (measured 6-8 s; where Spark spends them is not established)
@@ -265,7 +265,7 @@ def test_a_cancelled_sender_ends_a_spark_reader_ahead_of_the_queued_data(
     wormhole_servers: Any, tmp_path: Path
 ) -> None:
     """The Python API's sender is cancelled mid-transfer on a 0.5 MB/s link, megabytes
-    queued toward the reading application: its reader host hears the abort on the
+    queued toward the reading application: its registry host hears the abort on the
     directory link and passes it to its lane hosts, so the reading action fails with
     the cause within SPARK_END_BOUND (behind the queue it would take over 16 s); the
     sender is confirmed within END_BOUND."""

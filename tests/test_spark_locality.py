@@ -15,7 +15,7 @@ from spark_dilation.spark.locality import (
     master_from_cmdline,
     tasks_run_here,
 )
-from spark_dilation.transfer.options import TransferOptionError, TransferOptions
+from spark_dilation.transfer.rules.options import TransferOptionError, TransferOptions
 
 
 @pytest.mark.parametrize(

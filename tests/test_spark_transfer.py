@@ -249,7 +249,7 @@ def test_l2_connection_aborted_repeatedly(wormhole_servers: Any, tmp_path: Path)
         def chaos() -> None:
             # Reset the relay connections each time every lane's L2 is up again:
             # each reset hits a selected, busy connection, which must heal.
-            from spark_dilation.transfer.lane import lane_connection_statuses
+            from spark_dilation.transfer.receive.lane import lane_connection_statuses
 
             while len(drops) < 4 and not stop.wait(0.3):
                 statuses = lane_connection_statuses()

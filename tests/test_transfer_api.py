@@ -21,10 +21,10 @@ from spark_dilation.transfer import (
     receive_dataset,
     send_in_background,
 )
-from spark_dilation.transfer.lane import TransferAbortedError
-from spark_dilation.transfer.sender import LaneNotStartedError
-from spark_dilation.transfer.session import SenderSession, receive_session
-from spark_dilation.transfer.staging import LaneIdleError
+from spark_dilation.transfer.meet.session import SenderSession, receive_session
+from spark_dilation.transfer.receive.lane import TransferAbortedError
+from spark_dilation.transfer.rules.errors import LaneIdleError
+from spark_dilation.transfer.send.pool import LaneNotStartedError
 
 
 def mixed(rows: int) -> pa.Table:
@@ -140,8 +140,8 @@ def test_lane_that_never_starts(opts: dict[str, Any]) -> None:
     t.start()
     receive_session(session.code, o.with_(lanes=2))
     t.join(30)
-    from spark_dilation.transfer.hub import SenderHub
-    from spark_dilation.transfer.sender import send_partition
+    from spark_dilation.transfer.meet.hub import SenderHub
+    from spark_dilation.transfer.send.pool import send_partition
 
     hub = SenderHub(result["spec"])  # the writing end: no lane epoch ever comes
     started = time.monotonic()

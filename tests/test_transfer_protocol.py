@@ -8,8 +8,9 @@ import pyarrow as pa
 import pyarrow.ipc as ipc
 import pytest
 
-from spark_dilation.transfer.options import TransferOptionError, TransferOptions
-from spark_dilation.transfer.protocol import (
+from spark_dilation.transfer.rules.errors import ProtocolError
+from spark_dilation.transfer.rules.options import TransferOptionError, TransferOptions
+from spark_dilation.transfer.rules.protocol import (
     TAG_DATA,
     TAG_TRAILER,
     Accept,
@@ -20,7 +21,6 @@ from spark_dilation.transfer.protocol import (
     PartitionAssembler,
     PartitionEncoder,
     PartitionHeader,
-    ProtocolError,
     Trailer,
     decode_message,
     decode_session_message,
@@ -29,7 +29,7 @@ from spark_dilation.transfer.protocol import (
     schema_fingerprint,
     split_batch,
 )
-from spark_dilation.transfer.report import ConnectionStats, merge_stats
+from spark_dilation.transfer.rules.report import ConnectionStats, merge_stats
 
 SECRET = bytes(range(32))
 
@@ -286,7 +286,7 @@ def test_merge_stats_keeps_the_latest_per_process() -> None:
 
 
 def test_abort_either_way_names_its_side_and_reads_an_older_peer() -> None:
-    from spark_dilation.transfer.protocol import TAG_ABORT, Abort
+    from spark_dilation.transfer.rules.protocol import TAG_ABORT, Abort
 
     cancel = Abort("Ctrl-C", cancelled=True)
     tag, body = decode_message(cancel.encode())

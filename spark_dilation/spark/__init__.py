@@ -21,8 +21,7 @@ only; the wormhole and Twisted are loaded when a transfer starts.
 
 from __future__ import annotations
 
-from importlib import import_module
-from typing import Any
+from ..lazy import exports
 
 # Loaded on first use (PEP 562): Spark's task and planner workers import
 # spark_dilation.spark.dataset, which runs this file first, and need none of these.
@@ -44,13 +43,12 @@ _EXPORTS = {
 __all__ = sorted(_EXPORTS)
 
 
-def __getattr__(name: str) -> Any:
-    module = _EXPORTS.get(name)
-    if module is None:
-        raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
+def _check(module: str) -> None:
     if module == ".datasource":
         # One line naming what is missing, not an ImportError from inside pyspark.
         from .register import check_pyspark
 
         check_pyspark()
-    return getattr(import_module(module, __name__), name)
+
+
+__getattr__ = exports(__name__, _EXPORTS, before=_check)

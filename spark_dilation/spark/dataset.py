@@ -5,9 +5,9 @@ What runs where (PySpark 4.3, see DESIGN.md):
 - Sender: ``DilationDataSource.writer()`` (a planner worker) starts the
   sender host, which runs the session over the code (``sender_host=false``:
   the planner runs it), and returns a :class:`DilationArrowWriter` holding the
-  :class:`~spark_dilation.transfer.spec.TransferSpec`. Spark pickles it to the
+  :class:`~spark_dilation.transfer.rules.spec.TransferSpec`. Spark pickles it to the
   tasks; each ``write()``, ``commit()`` and ``abort()`` goes through
-  :mod:`~spark_dilation.transfer.sending`, which hands the work to the
+  :mod:`~spark_dilation.transfer.send.verbs`, which hands the work to the
   sender host of the machine (started by the first task on an executor
   machine) or does it in-process. ``write()`` returns when the lane
   confirmed the partition; ``commit()`` delivers the manifest to every lane
@@ -33,9 +33,9 @@ from pyspark.sql.datasource import (
     WriterCommitMessage,
 )
 
-from ..transfer.protocol import CommittedPartition
-from ..transfer.report import ConnectionStats, TransferReport
-from ..transfer.spec import TransferSpec
+from ..transfer.rules.protocol import CommittedPartition
+from ..transfer.rules.report import ConnectionStats, TransferReport
+from ..transfer.rules.spec import TransferSpec
 from .staged import cast_batch
 
 log = logging.getLogger("spark_dilation.spark.dataset")
@@ -70,24 +70,24 @@ class DilationArrowWriter(DataSourceArrowWriter):
         self.started = started  # wall clock (time.time()) of the session's end
 
     def write(self, iterator: Iterator[pa.RecordBatch]) -> PartitionSent:
-        from ..transfer import sending
+        from ..transfer import send
 
         _quiet_logs()
         partition, attempt = _task()
-        return PartitionSent(*sending.send(self.spec, partition, attempt, iterator))
+        return PartitionSent(*send.send(self.spec, partition, attempt, iterator))
 
     def commit(self, messages: list[PartitionSent | None]) -> None:
-        from ..transfer import sending
+        from ..transfer import send
 
         _quiet_logs()
         sent = [(m.committed, m.stats) for m in messages if m is not None]
-        _log_report(sending.commit(self.spec, sent, self.started))
+        _log_report(send.commit(self.spec, sent, self.started))
 
     def abort(self, messages: list[PartitionSent | None]) -> None:
-        from ..transfer import sending
+        from ..transfer import send
 
         started = time.monotonic()
-        sending.abort(self.spec, "the Spark job writing the dataset failed")
+        send.abort(self.spec, "the Spark job writing the dataset failed")
         # How long the lanes were tried (at most 10 s; none when the receiver ended it).
         _report_log().info("%s%.1f s", ABORT_PREFIX, time.monotonic() - started)
 
@@ -125,7 +125,7 @@ class DatasetReader(DataSourceReader):
         return [InputPartition(lane) for lane in range(self.spec.lanes)]
 
     def read(self, partition: InputPartition) -> Iterator[pa.RecordBatch]:
-        from ..transfer.laneread import read_lane
+        from ..transfer.receive import read_lane
 
         _quiet_logs()
         lane = int(partition.value)

@@ -35,7 +35,7 @@ from pyspark.sql.pandas.types import from_arrow_type, to_arrow_schema
 from pyspark.sql.types import ArrayType, DataType, MapType, StructField, StructType
 
 from ..errors import DilationError
-from ..transfer.options import TransferOptions
+from ..transfer.rules.options import TransferOptions
 from .options import FILE_ONLY_OPTIONS, MAILBOX_ENV, RELAY_ENV, OptionError, ReadSettings
 from .receive import new_staging_dir, receive_file
 from .staged import (
@@ -201,7 +201,7 @@ class DilationDataSource(DataSource):
         if settings.staged_path is not None or settings.accept == "file":
             self._staged = _stage(settings)
             return to_spark_schema(self._staged.arrow_schema)
-        from ..transfer.session import ReceivedFileResult, receive_session
+        from ..transfer.receive import ReceivedFileResult, receive_session
 
         assert settings.code is not None
         options = _transfer_options(self.options, settings)
@@ -217,19 +217,19 @@ class DilationDataSource(DataSource):
             self._staged = _inspect_received(settings, result.received)
             return to_spark_schema(self._staged.arrow_schema)
         shutil.rmtree(dest, ignore_errors=True)
-        from ..transfer.readerhost import start_reader_host
+        from ..transfer.receive import start_registry_host
 
         # Any executor may run any lane in a later action: the registry,
         # alive as long as this application, tells each lane host where its
         # lane is staged (docs/transfer.md, "Where rows live after load()").
-        result = start_reader_host(result)
+        result = start_registry_host(result)
         self._spec = result
         log.info("dataset transfer %s agreed: %d lanes", result.transfer_id, result.lanes)
         if _early_lanes(options.early_lanes):
             # The sender can stream while Spark plans the first action and
             # starts its tasks (seconds on a cold application); the read tasks
             # then follow the staged files.
-            from ..transfer.laneread import start_lanes
+            from ..transfer.receive import start_lanes
 
             start_lanes(result)
         return to_spark_schema(result.schema)
@@ -280,9 +280,9 @@ class DilationDataSource(DataSource):
             )
         options = TransferOptions.from_strings(opts, ignore=("code", "path"))
         arrow_schema = spark_arrow_schema(schema)
-        from ..transfer import sending
+        from ..transfer import send
 
-        spec = sending.agree(arrow_schema, options, code)
+        spec = send.agree(arrow_schema, options, code)
         log.info("dataset transfer %s agreed: %d lanes", spec.transfer_id, spec.lanes)
         return DilationArrowWriter(spec, time.time())
 

@@ -18,7 +18,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from ..errors import DilationError
-from ..transfer.options import TransferOptions
+from ..transfer.rules.options import TransferOptions
 from .staged import CsvOptions, UnsupportedFormatError, normalize_format
 
 __all__ = [

@@ -14,7 +14,7 @@ import tempfile
 from pathlib import Path
 from typing import TYPE_CHECKING
 
-from ..transfer.options import resolve_relay
+from ..transfer.rules.options import resolve_relay
 from .options import default_mailbox_url, default_staging_root
 
 if TYPE_CHECKING:

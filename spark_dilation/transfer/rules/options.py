@@ -14,7 +14,7 @@ from dataclasses import dataclass, field, fields, replace
 from pathlib import Path
 from typing import Any
 
-from ..errors import DilationError
+from ...errors import DilationError
 
 # Arrow IPC body compressions (the protocol module checks offers against these).
 # Defined here, not in protocol.py, so that Spark's data source lookup, which
@@ -141,7 +141,7 @@ class TransferOptions:
             return self.mailbox
         if os.environ.get(MAILBOX_ENV):
             return os.environ[MAILBOX_ENV]
-        from ..wormhole import DEFAULT_MAILBOX_URL
+        from ...wormhole import DEFAULT_MAILBOX_URL
 
         return DEFAULT_MAILBOX_URL
 

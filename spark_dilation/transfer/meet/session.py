@@ -3,7 +3,7 @@
 The sender offers (schema, transfer id, compression), the receiver answers
 with its lane count, and both derive the transfer secret; then the code is
 used up and the session wormhole closes. Everything else is derived from the
-secret (:class:`~.spec.TransferSpec`).
+secret (:class:`~..rules.spec.TransferSpec`).
 
 The session uses the ``wormhole`` CLI's appid, so a receiver opens the code
 without knowing what is coming: a dataset sender (its ``app_versions`` name
@@ -24,18 +24,19 @@ from typing import Any
 import pyarrow as pa
 from twisted.internet import defer
 
-from ..errors import DilationError, PeerRejectedError, TransferError
-from ..transit import offers
-from ..wormhole.blocking import call_soon, ensure_reactor, run_and_wait
-from . import pqformat
-from .options import TransferOptions
-from .protocol import (
+from ...errors import DilationError, PeerRejectedError, TransferError
+from ...transit import offers
+from ...wormhole.blocking import call_soon, ensure_reactor, run_and_wait
+from ..machine import space_refusal
+from ..rules import pqformat
+from ..rules.errors import ProtocolError, SessionTimeout
+from ..rules.options import TransferOptions
+from ..rules.protocol import (
     PROTOCOL,
     SESSION_RECEIVER,
     SESSION_SENDER,
     Accept,
     Offer,
-    ProtocolError,
     decode_session_message,
     error_message,
     schema_bytes,
@@ -43,8 +44,7 @@ from .protocol import (
     session_versions,
     transfer_secret,
 )
-from .spec import TransferSpec
-from .staging import space_refusal
+from ..rules.spec import TransferSpec
 
 log = logging.getLogger(__name__)
 
@@ -60,10 +60,6 @@ PLAIN_RECEIVER_TOLD = (
     "`spark-dilation receive CODE` (or in Spark: "
     'spark.read.format("dilation").option("code", CODE).load())'
 )
-
-
-class SessionTimeout(TransferError, TimeoutError):
-    pass
 
 
 def _reactor() -> Any:
@@ -118,7 +114,7 @@ class SenderSession:
         nbytes: int | None = None,
     ) -> SenderSession:
         """``rows``/``nbytes``: the dataset's totals if known (the offer's ``rows``/``bytes``)."""
-        from ..wormhole.client import Wormhole
+        from ...wormhole.client import Wormhole
 
         ensure_reactor()
         offer = Offer(uuid.uuid4().hex, schema, options.compression, source, rows, nbytes)
@@ -299,9 +295,9 @@ def receive_session(
     ``file_dest``: where a plain file goes (required to accept one); ``room``:
     see :func:`accept_offer`.
     """
-    from ..transit.connector import TransitConnector
-    from ..transit.filetransfer import ReceivedFile, receive
-    from ..wormhole.client import Wormhole
+    from ...transit.connector import TransitConnector
+    from ...transit.filetransfer import ReceivedFile, receive
+    from ...wormhole.client import Wormhole
 
     ensure_reactor()
 

@@ -1,6 +1,6 @@
 """How our helper processes know when to end: they watch the process that owns them.
 
-A helper (the sender host, the reader host) outlives the short-lived Spark
+A helper (the sender host, the registry host) outlives the short-lived Spark
 planner worker that starts it, in a session of its own; its *owner* is the
 Spark application's driver JVM, the nearest ``java`` ancestor at the time it
 starts. When the owner ends (the application finished, crashed or was
@@ -149,3 +149,60 @@ def spawn(module: str, args: Sequence[str], log: Path) -> subprocess.Popen:
             start_new_session=True,
             close_fds=True,
         )
+
+
+def private_dir(directory: Path) -> Path:
+    """``directory`` (and its parents), the last one readable by this user alone."""
+    directory.parent.mkdir(parents=True, exist_ok=True)
+    directory.mkdir(mode=0o700, exist_ok=True)
+    return directory
+
+
+def os_cause(e: BaseException) -> str:
+    """``[Errno 28] No space left on device``: an OS error without its file name."""
+    if isinstance(e, OSError) and e.errno:  # pyarrow's OSErrors carry it too, wordier
+        return f"[Errno {e.errno}] {os.strerror(e.errno)}"
+    return str(e)
+
+
+def _existing(path: Path) -> Path:
+    """``path`` or its nearest ancestor that exists."""
+    path = Path(os.path.abspath(path))
+    while not path.exists() and path != path.parent:
+        path = path.parent
+    return path
+
+
+def space_refusal(nbytes: int | None, places: list[Path]) -> str | None:
+    """Why ``nbytes`` (the offer's estimate) clearly cannot fit in ``places``, or None.
+
+    Each place needs the whole estimate (staged, then written out); places on
+    one file system add up. An unknown size (None) is never refused.
+    """
+    if not nbytes:
+        return None
+    need: dict[int, int] = {}
+    free: dict[int, int] = {}
+    where: dict[int, Path] = {}
+    for place in places:
+        probe = _existing(place)
+        try:
+            dev = os.stat(probe).st_dev
+            st = os.statvfs(probe)
+        except OSError:
+            continue  # the write itself will say what is wrong
+        need[dev] = need.get(dev, 0) + nbytes
+        free[dev] = st.f_bavail * st.f_frsize
+        where.setdefault(dev, place)
+    for dev, needed in need.items():
+        if free[dev] < needed:
+            return (
+                f"the receiving machine has not enough free space for the dataset: it is "
+                f"about {_mb(nbytes)} and {where[dev]} has {_mb(free[dev])} free (about "
+                f"{_mb(needed)} needed there)"
+            )
+    return None
+
+
+def _mb(n: int) -> str:
+    return f"{n / 1e6:.1f} MB"

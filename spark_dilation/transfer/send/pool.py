@@ -37,19 +37,31 @@ from typing import Any
 import crochet
 import pyarrow as pa
 
-from ..dilation.blocking import BlockingDilationError, DilationTimeout
-from ..errors import DilationError, TransferError
-from . import codec
-from .directory import Door
-from .partition import (
+from ...dilation.blocking import BlockingDilationError, DilationTimeout
+from ...errors import DilationError, TransferError
+from ..meet.rendezvous import (
+    CLOSE_WAIT,
+    Paired,
+    RendezvousCancelled,
+    SenderView,
+    close_wormhole,
+    dilate_paired,
+    meet,
+    registered_view,
+    sender_view,
+)
+from ..rules import codec
+from ..rules.directory import Door
+from ..rules.errors import (
     InjectedFailure,
     LaneLostError,
     LaneNotStartedError,
     LaneRefusedError,
-    PartitionStream,
+    ProtocolError,
     ReceiverFailedError,
+    TransferAbortedError,
 )
-from .protocol import (
+from ..rules.protocol import (
     CONTROL_SUBPROTOCOL,
     PARTITION_SUBPROTOCOL,
     ROLE_SENDER,
@@ -61,25 +73,13 @@ from .protocol import (
     CommittedPartition,
     Complete,
     Manifest,
-    ProtocolError,
     decode_message,
     encode_json,
     lane_of,
 )
-from .rendezvous import (
-    CLOSE_WAIT,
-    Paired,
-    RendezvousCancelled,
-    SenderView,
-    close_wormhole,
-    dilate_paired,
-    meet,
-    registered_view,
-    sender_view,
-)
-from .report import ConnectionStats, is_connecting, is_reconnecting, path_of, reconnects_of
-from .spec import TransferSpec
-from .staging import TransferAbortedError
+from ..rules.report import ConnectionStats, is_connecting, is_reconnecting, path_of, reconnects_of
+from ..rules.spec import TransferSpec
+from .stream import PartitionStream
 
 log = logging.getLogger(__name__)
 
@@ -120,7 +120,7 @@ class _Meeting:
 class ConnectionPool:
     """Dilation connections of this process, one per (transfer, lane); thread-safe.
 
-    Each is made through the lane's door (:mod:`.directory`): this process's
+    Each is made through the lane's door (:mod:`..rules.directory`): this process's
     view of the transfer's directory says which. A meeting runs in the
     background and is never given up before it pairs, except when the lane's
     epoch rises (its host was replaced: the meeting moves to the new door) or

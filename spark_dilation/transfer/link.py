@@ -23,16 +23,12 @@ from typing import Any
 from nacl.exceptions import CryptoError
 from nacl.secret import SecretBox
 
-from ..errors import TransferError
+from .rules.errors import LinkError
 
 _LEN = struct.Struct(">I")
 MAX_FRAME = 8 * 1024 * 1024
 CHUNK = 1024 * 1024  # staged files travel in chunks of this size
 _NOSIGNAL = getattr(socket, "MSG_NOSIGNAL", 0)
-
-
-class LinkError(TransferError):
-    """The other process closed, went silent or sent a frame that does not open."""
 
 
 def link_key(secret: bytes, purpose: str) -> bytes:
@@ -163,3 +159,9 @@ def advertised_addresses() -> list[str]:
     # The listener is IPv4.
     addresses = [a for a in local_addresses() if family_of(a) == socket.AF_INET]
     return [*addresses, "127.0.0.1"] if "127.0.0.1" not in addresses else addresses
+
+
+PING = 2.0  # both ends of a registry link send a ping this often
+
+
+SILENCE = 10.0  # a link silent this long is dead (its machine is lost)

@@ -1,7 +1,7 @@
 """The dataset transfer protocol, sans-IO: names, derivations, messages, rules.
 
 Nothing here touches a socket, a thread or Spark. The Twisted/blocking glue
-(:mod:`.rendezvous`, :mod:`.sender`, :mod:`.lane`, :mod:`.session`) feeds
+(:mod:`..meet.rendezvous`, :mod:`..send.pool`, :mod:`..receive.lane`, :mod:`..meet.session`) feeds
 these objects and acts on what they return. ``docs/transfer.md`` describes
 the protocol as a whole; this module is its executable form.
 
@@ -38,8 +38,8 @@ from typing import Any
 import pyarrow as pa
 import pyarrow.ipc as ipc
 
-from ..errors import TransferError
 from .codec import AUTO, offer_compression
+from .errors import ProtocolError
 from .options import COMPRESSIONS
 from .pqformat import FORMAT as PARQUET
 from .pqformat import ChunkEncoder
@@ -83,14 +83,6 @@ NAMEPLATE_DIGITS = 30  # the server allows digits only, at most 40
 
 ROLE_SENDER = "sender"
 ROLE_LANE = "lane"
-
-
-class ProtocolError(TransferError):
-    """The peer sent something this protocol does not allow."""
-
-
-class SchemaMismatchError(TransferError):
-    """Data arrived whose schema is not the one agreed in the session."""
 
 
 # --- derivations ----------------------------------------------------------------------

@@ -4,7 +4,7 @@ A *lane* is one reader partition. Its receiver runs in the background of the
 process that first reads the lane (a Spark Python worker, or the Python
 API's process) and outlives the read task, so a ``show()`` that stops
 reading early does not stop the transfer. It opens a door for every sending
-process the directory names (:mod:`.directory`), accepts partition streams
+process the directory names (:mod:`..rules.directory`), accepts partition streams
 on every Dilation connection a sender process makes, writes each stream to
 ``<staging>/<transfer>/lane-<n>/`` as an Arrow IPC stream file while it
 arrives (memory holds only the Dilation buffers), renames it into place when
@@ -48,13 +48,22 @@ import crochet
 import pyarrow as pa
 import pyarrow.ipc as ipc
 
-from ..dilation.blocking import DilationClosed, DilationTimeout, SubchannelClosed
-from ..dilation.manager import DilationNoPath, DilationReconnectFailed
-from ..errors import DilationError, TransferError
-from .directory import Door, LaneDoors
-from .pqformat import FORMAT as PARQUET
-from .pqformat import ChunkDecoder
-from .protocol import (
+from ...dilation.blocking import DilationClosed, DilationTimeout, SubchannelClosed
+from ...dilation.manager import DilationNoPath, DilationReconnectFailed
+from ...errors import DilationError, TransferError
+from ..meet.rendezvous import Paired, RendezvousCancelled, dilate_paired, meet, sender_set
+from ..rules.directory import Door, LaneDoors
+from ..rules.errors import (
+    CannotHealError,
+    LaneIdleError,
+    OutputError,
+    ProtocolError,
+    StagingError,
+    TransferAbortedError,
+)
+from ..rules.pqformat import FORMAT as PARQUET
+from ..rules.pqformat import ChunkDecoder
+from ..rules.protocol import (
     CONTROL_SUBPROTOCOL,
     PARTITION_SUBPROTOCOL,
     ROLE_LANE,
@@ -71,26 +80,15 @@ from .protocol import (
     Manifest,
     PartitionAssembler,
     PartitionHeader,
-    ProtocolError,
     Trailer,
     decode_message,
     encode_json,
     failure_answer,
     ipc_rows,
 )
-from .rendezvous import Paired, RendezvousCancelled, dilate_paired, meet, sender_set
-from .report import is_connecting, is_reconnecting, path_of, reconnects_of
-from .spec import TransferSpec
-from .staging import (
-    CannotHealError,
-    LaneIdleError,
-    LaneStaging,
-    StagingError,
-    TransferAbortedError,
-    rows_of,
-    staging_error,
-    take_lane_lock,
-)
+from ..rules.report import is_connecting, is_reconnecting, path_of, reconnects_of
+from ..rules.spec import TransferSpec
+from .staging import LaneStaging, rows_of, staging_error, take_lane_lock
 
 log = logging.getLogger(__name__)
 
@@ -98,10 +96,6 @@ log = logging.getLogger(__name__)
 # notices the stop within 0.25 s and then waits for the mailbox's close, at
 # most rendezvous.CLOSE_WAIT; they close in parallel).
 DOOR_STOP_WAIT = 10.0
-
-
-class DeliveryError(TransferError):
-    """The receiver could not put the data where it was asked (``before_ok``'s answer)."""
 
 
 class Causes(Protocol):
@@ -420,7 +414,7 @@ class LaneReceiver:
     # --- doors and connections -----------------------------------------------------
 
     def _learn(self, senders: set[int]) -> None:
-        """The directory named new senders: open a door for each (see :mod:`.directory`)."""
+        """The directory named new senders: open a door for each (see :mod:`..rules.directory`)."""
         with self._cond:
             if self._stop.is_set():
                 return
@@ -675,7 +669,7 @@ class LaneReceiver:
             if isinstance(error, StagingError):
                 channel.send(failure_answer(f"the receiver failed: {error}"))
                 self._finish(error)
-            elif isinstance(error, DeliveryError):
+            elif isinstance(error, OutputError):
                 channel.send(failure_answer(str(error)))
                 self._finish(error)
             elif error is not None:
@@ -706,7 +700,7 @@ class LaneReceiver:
             self.staged = True
             self._cond.notify_all()
         text = self.before_ok()
-        return None if text is None else DeliveryError(text)
+        return None if text is None else OutputError(text)
 
     def _check_done(self, finish: bool = True) -> CannotHealError | None:
         """Finish the lane if the manifest and every listed partition are here.
@@ -811,7 +805,7 @@ def _rows(body: bytes | memoryview) -> int:
 
 
 class _ParquetStaging:
-    """Stages a ``parquet`` partition as Arrow IPC, like every other (see :mod:`.pqformat`):
+    """Stages a ``parquet`` partition as Arrow IPC, like every other (see :mod:`..rules.pqformat`):
     each frame is decoded as it completes, so nothing after the lane differs."""
 
     def __init__(self, out: Any, schema: pa.Schema) -> None:

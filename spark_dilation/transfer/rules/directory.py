@@ -68,7 +68,7 @@ ABORT = "abort"
 
 
 def _code(secret: bytes, info: str) -> str:
-    from ..wormhole.keys import derive_key  # lazy: task workers encode without SPAKE2/HKDF
+    from ...wormhole.keys import derive_key  # lazy: task workers encode without SPAKE2/HKDF
 
     raw = info.encode()
     number = int.from_bytes(derive_key(secret, raw + b" nameplate", 16), "big")

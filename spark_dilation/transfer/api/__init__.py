@@ -36,19 +36,27 @@ import pyarrow.csv as pacsv
 import pyarrow.dataset as ds
 import pyarrow.parquet as pq
 
-from ..dilation.manager import DilationNoPath
-from ..errors import Interrupted, TransferCancelledError, TransferError, interrupt_cause
-from . import codec
-from .hub import SenderHub
-from .lane import LaneReceiver, LocalCauses, lane_receiver
-from .options import RECEIVE_FORMATS, TransferOptions
-from .protocol import Abort, CommittedPartition, Manifest
-from .rendezvous import ReadingEnd, forget, sender_set
-from .report import Progress, TransferReport, combine_paths
-from .sender import ConnectionPool, LaneLostError, deliver_abort, deliver_manifest, send_partition
-from .session import ReceivedFileResult, SenderSession, receive_session
-from .spec import TransferSpec
-from .staging import LaneStaging, TransferAbortedError, os_cause, read_staged
+from ...dilation.manager import DilationNoPath
+from ...errors import Interrupted, TransferCancelledError, TransferError, interrupt_cause
+from ..machine import os_cause
+from ..meet.hub import SenderHub
+from ..meet.rendezvous import ReadingEnd, forget, sender_set
+from ..meet.session import ReceivedFileResult, SenderSession, receive_session
+from ..receive.lane import LaneReceiver, LocalCauses, lane_receiver
+from ..receive.staging import LaneStaging, read_staged
+from ..rules import codec
+from ..rules.errors import OutputError, TransferAbortedError
+from ..rules.options import RECEIVE_FORMATS, TransferOptions
+from ..rules.protocol import Abort, CommittedPartition, Manifest
+from ..rules.report import Progress, TransferReport, combine_paths
+from ..rules.spec import TransferSpec
+from ..send.pool import (
+    ConnectionPool,
+    LaneLostError,
+    deliver_abort,
+    deliver_manifest,
+    send_partition,
+)
 
 log = logging.getLogger(__name__)
 
@@ -720,10 +728,6 @@ def _answer_text(e: BaseException) -> str:
     if isinstance(e, KeyboardInterrupt):
         return Abort(interrupt_cause(e), cancelled=True).text("receiver")
     return f"the receiver failed: {e}"
-
-
-class OutputError(TransferError):
-    """The receiver could not write the data where it was asked (disk full, no permission)."""
 
 
 def dest_problem(dest: Path, *, must_be_empty: bool = False) -> str | None:

@@ -2,7 +2,7 @@
 
 A Spark read places every action's lanes anew: a later ``count()`` may run
 lane 0 on an executor that never received it. The reading application keeps
-one *registry* (run by :mod:`.readerhost` on the driver's machine); every lane
+one *registry* (run by :mod:`..receive.registryhost` on the driver's machine); every lane
 host claims its lane there before it does anything. The registry answers:
 
 * ``receive``: nobody holds the lane yet; this host receives it from the sender;
@@ -113,7 +113,7 @@ def cannot_heal_record(
     where = "; ".join(f"on {', '.join(ms)}: {why[way]}" for way, ms in ways.items() if ms)
     return {
         "type": "CannotHealError",
-        "module": "spark_dilation.transfer.staging",
+        "module": "spark_dilation.transfer.receive.staging",
         "message": (
             f"lane {lane} cannot heal: every copy of its staged rows is gone ({where}), and the "
             "sender has finished. Nothing was emitted twice or lost silently; load the "

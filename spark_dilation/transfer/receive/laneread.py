@@ -18,10 +18,11 @@ from typing import Any
 
 import pyarrow as pa
 
-from ..errors import TransferError
-from .protocol import Manifest
-from .spec import TransferSpec
-from .staging import CannotHealError, LaneStaging, host_alive, raise_host_error, read_staged
+from ...errors import TransferError
+from ..rules.errors import CannotHealError
+from ..rules.protocol import Manifest
+from ..rules.spec import TransferSpec
+from .staging import LaneStaging, host_alive, raise_host_error, read_staged
 
 log = logging.getLogger(__name__)
 
@@ -125,14 +126,14 @@ def ensure_host(spec: TransferSpec, lane: int, staging: LaneStaging, wait: float
 
 def _spawn_host(spec: TransferSpec, lane: int, staging: LaneStaging) -> Any:
     """A new lane host process, or None if one already holds the lane's lock."""
-    from .lifetime import spawn, write_private
+    from ..machine import spawn, write_private
 
     if host_alive(staging):
         return None
     staging.ensure()
     spec_path = write_private(staging.dir, spec)
     return spawn(
-        "spark_dilation.transfer.lanehost",
+        "spark_dilation.transfer.receive.lanehost",
         [str(spec_path), str(lane), str(os.getpid())],
         staging.dir / "host.log",
     )

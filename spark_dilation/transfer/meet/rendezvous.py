@@ -1,6 +1,6 @@
 """Rendezvous by introduction, on the crochet reactor: doors, the directory link, views.
 
-The rules are in :mod:`.directory` (pure). This module is their blocking glue:
+The rules are in :mod:`..rules.directory` (pure). This module is their blocking glue:
 
 * :func:`meet` claims one door (or the directory link's nameplate) and waits
   for the one peer the directory sent there: no pairing timer, no crowding;
@@ -28,9 +28,9 @@ from typing import Any
 
 import crochet
 
-from ..errors import CrowdedError, DilationError, TransferError
-from ..wormhole.blocking import claim, ensure_reactor, run_and_wait
-from .directory import (
+from ...errors import CrowdedError, DilationError, TransferError
+from ...wormhole.blocking import claim, ensure_reactor, run_and_wait
+from ..rules.directory import (
     DirectoryState,
     Door,
     SenderDoors,
@@ -39,16 +39,9 @@ from .directory import (
     end_message,
     lanes_message,
 )
-from .protocol import (
-    PROTOCOL,
-    RENDEZVOUS_APPID,
-    ROLE_LANE,
-    ROLE_SENDER,
-    VERSION,
-    Abort,
-    ProtocolError,
-)
-from .spec import TransferSpec
+from ..rules.errors import ProtocolError
+from ..rules.protocol import PROTOCOL, RENDEZVOUS_APPID, ROLE_LANE, ROLE_SENDER, VERSION, Abort
+from ..rules.spec import TransferSpec
 
 log = logging.getLogger(__name__)
 
@@ -112,7 +105,7 @@ def meet(
     """
     from twisted.internet import reactor
 
-    from ..wormhole.client import Wormhole
+    from ...wormhole.client import Wormhole
 
     ensure_reactor()
     versions = meeting_versions(spec, role, door)
@@ -166,7 +159,7 @@ def close_wormhole(w: Any) -> None:
 
 
 class DirectoryLink:
-    """The reading end's and the writing end's one wormhole (see :mod:`.directory`).
+    """The reading end's and the writing end's one wormhole (see :mod:`..rules.directory`).
 
     ``on_message(dict)`` runs in the link's thread for every message of the
     other end; ``on_end(reason)`` once, when the link ends (closed by the
@@ -296,7 +289,7 @@ def _wait_ended(cond: threading.Condition, state: DirectoryState, deadline: floa
 class ReadingEnd:
     """The reading end of a transfer's directory: the lanes' epochs out, the senders in.
 
-    Held by the Spark reader host (epochs from its lane registry) or by the
+    Held by the Spark registry host (epochs from its lane registry) or by the
     receiving process of the CLI and the Python API (every lane in-process,
     epoch 0). ``on_senders(new ids)`` runs in the link's thread. With
     ``on_abort``, the writing end's abort through the directory ends the
@@ -546,8 +539,8 @@ def dilate_paired(
     Dilation ``reconnect_timeout``, so its give-up error, which says what was
     tried and names the option's value, is the one raised.
     """
-    from ..dilation.api import dilate
-    from ..dilation.blocking import BlockingDilation, DilationTimeout
+    from ...dilation.api import dilate
+    from ...dilation.blocking import BlockingDilation, DilationTimeout
 
     names = tuple(listen)
     w = paired.wormhole

@@ -3,16 +3,16 @@
 One process per transfer holds it: the Spark driver machine's sender host, or
 the sending process of the CLI and the Python API. It
 
-* issues every sending process its sender id (:class:`~.directory.SenderIds`;
+* issues every sending process its sender id (:class:`~..rules.directory.SenderIds`;
   its own is 0) and sends the whole list to the reading end over the
   directory link (:class:`~.rendezvous.DirectoryLink`);
 * hears each lane's epoch from the reading end and passes it on to every
-  sending process, which then claims the lane's door (:mod:`.directory`).
+  sending process, which then claims the lane's door (:mod:`..rules.directory`).
 
 Other sending processes of a Spark writer (executor machines' sender hosts,
 tasks that send in-process, the commit) reach the hub over the writing
 cluster's own network, at the address in the spec (``TransferSpec.hub``), as
-lane hosts reach the registry: frames are :mod:`.boxlink` frames under a key
+lane hosts reach the registry: frames are :mod:`..link` frames under a key
 derived from the transfer secret::
 
     process -> hub: {"hello": 1}, then {"ping": 1} every 2 s
@@ -33,10 +33,11 @@ import time
 from collections.abc import Callable
 from typing import Any
 
-from ..errors import TransferError
-from .boxlink import (
+from ...errors import TransferError
+from ..link import (
+    PING,
+    SILENCE,
     BoxLink,
-    LinkError,
     advertised_addresses,
     connect,
     keep_alive,
@@ -44,7 +45,7 @@ from .boxlink import (
     listen,
     serve_connections,
 )
-from .directory import (
+from ..rules.directory import (
     END,
     LANES,
     DirectoryState,
@@ -54,10 +55,10 @@ from .directory import (
     lanes_message,
     senders_message,
 )
-from .protocol import Abort
-from .readerhost import PING, SILENCE
+from ..rules.errors import LinkError
+from ..rules.protocol import Abort
+from ..rules.spec import TransferSpec
 from .rendezvous import ROLE_WRITER, DirectoryLink, SenderView, forget, register_view
-from .spec import TransferSpec
 
 log = logging.getLogger(__name__)
 

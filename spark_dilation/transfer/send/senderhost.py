@@ -1,9 +1,9 @@
 """The sender host: one process per transfer and machine that holds the connections.
 
-``writer()`` starts it (``python -m spark_dilation.transfer.senderhost
+``writer()`` starts it (``python -m spark_dilation.transfer.send.senderhost
 --session FILE``) on the driver's machine. It imports the wormhole and
 Dilation stack once, runs the session over the code, holds the writing end
-of the transfer's directory (:mod:`.hub`: every sending process of the
+of the transfer's directory (:mod:`..meet.hub`: every sending process of the
 writer gets its sender id there), hands the agreed spec
 back to ``writer()`` (``spec.pkl`` in its 0700 directory, read and removed at
 once; a failed session leaves ``error.json`` instead), pairs with every lane
@@ -39,17 +39,22 @@ import time
 from collections.abc import Iterator
 from dataclasses import asdict
 
-from ..errors import DilationError, TransferError
-from . import codec
+from ...errors import DilationError, TransferError
+from ..machine import alive, owner_pid, private_dir, read_private, try_lock, watch
+from ..meet.hub import HUB_CONNECT
+from ..meet.rendezvous import sender_view
+from ..rules import codec
+from ..rules.errors import ProtocolError, error_record
+from ..rules.protocol import CommittedPartition, lane_of
+from ..rules.report import path_of
+from ..rules.spec import TransferSpec
 from .hostlink import (
     KIND_ABORT,
     KIND_LINK,
     KIND_MANIFEST,
     KIND_PARTITION,
-    error_record,
     host_dir,
     host_token,
-    private_dir,
     read_frame,
     read_request,
     socket_path,
@@ -57,15 +62,9 @@ from .hostlink import (
     unix_address,
     write_answer,
 )
-from .hub import HUB_CONNECT
-from .lifetime import alive, owner_pid, read_private, try_lock, watch
-from .protocol import CommittedPartition, ProtocolError, lane_of
-from .rendezvous import sender_view
-from .report import path_of
-from .sender import ConnectionPool, deliver_abort, deliver_manifest, stream_partition
-from .spec import TransferSpec
+from .pool import ConnectionPool, deliver_abort, deliver_manifest, stream_partition
 
-log = logging.getLogger("spark_dilation.transfer.senderhost")
+log = logging.getLogger("spark_dilation.transfer.send.senderhost")
 
 
 class _TaskGone(TransferError):
@@ -323,7 +322,7 @@ def main(argv: list[str] | None = None) -> int:
     spec = _agree(start, launch_dir)
     if spec is None:
         return 1
-    from .hub import SenderHub
+    from ..meet.hub import SenderHub
 
     # The writing end of the transfer's directory: every sending process of the
     # writer (this one is sender 0) is introduced to the lanes through it.
@@ -371,7 +370,7 @@ def _lock_host_dir(spec: TransferSpec) -> bool:
 
 def _agree(start: dict, launch_dir: str) -> TransferSpec | None:
     """The session over the code, as ``writer()`` used to run it; errors go to error.json."""
-    from .session import SenderSession
+    from ..meet.session import SenderSession
 
     try:
         session = SenderSession.open(

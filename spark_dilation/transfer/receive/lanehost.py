@@ -1,12 +1,12 @@
 """The lane host: one lane of a loaded dataset on one machine, in a process of its own.
 
-``read_lane`` starts it (``python -m spark_dilation.transfer.lanehost SPEC
+``read_lane`` starts it (``python -m spark_dilation.transfer.receive.lanehost SPEC
 LANE LAUNCHER_PID``) so that receiving does not depend on the Spark Python
 worker that asked for the lane: Spark ends a worker when ``show()`` has its
 rows and kills idle ones. The host holds the lane's lock on this machine.
 
 With a lane registry (``spec.registry``, every Spark read), the host claims
-its lane there and does what the registry says (:mod:`.registry`): receive
+its lane there and does what the registry says (:mod:`..rules.registry`): receive
 it from the sender, copy it from a machine that holds it, or report the
 lane's error. Then it serves its complete copy to the other executors and
 lives as long as the reading application: when the registry's link ends,
@@ -25,11 +25,11 @@ import threading
 import time
 from typing import Any
 
-from ..errors import TransferError
+from ...errors import TransferError
+from ..machine import read_private
+from ..rules.protocol import Abort
+from ..rules.spec import TransferSpec
 from .lane import LaneReceiver
-from .lifetime import read_private
-from .protocol import Abort
-from .spec import TransferSpec
 from .staging import LaneStaging, take_lane_lock, write_host_error
 
 log = logging.getLogger(__name__)
@@ -103,7 +103,7 @@ class RegisteredLane:
             log.exception("lane %d: failed", self.lane)
             error = e if isinstance(e, TransferError) else TransferError(f"lane {self.lane}: {e}")
         if error is not None:
-            from .hostlink import error_record
+            from ..rules.errors import error_record
 
             write_host_error(self.staging, error)
             registry.report({"failed": self.lane, "error": error_record(error)})
@@ -132,10 +132,9 @@ class RegisteredLane:
 
     def _obtain(self, registry: Any, server: Any, fd: int) -> BaseException | None:
         """Get the complete lane as the registry says; the lane's error, if any."""
-        from .boxlink import LinkError
-        from .hostlink import rebuild_error
+        from ..rules.errors import LinkError, rebuild_error
+        from ..rules.registry import HostInfo
         from .laneshare import fetch_lane
-        from .registry import HostInfo
 
         copy_deadline: float | None = None
         while True:
@@ -183,7 +182,7 @@ class RegisteredLane:
         with it would let that task start another host, never seeing why), but only
         while that task's worker lives: when the application itself has ended, Spark
         kills its workers within seconds and nothing may stay behind for long."""
-        from .lifetime import alive
+        from ..machine import alive
 
         deadline = time.monotonic() + ORPHAN_LINGER
         while time.monotonic() < deadline and alive(self.launcher):

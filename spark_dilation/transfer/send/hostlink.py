@@ -8,7 +8,7 @@ machine hands its work to the host, which holds the Dilation connections to
 the lanes (:mod:`.senderhost`); the task encodes its partition (Arrow IPC,
 checksum) and never loads Twisted, pairs with a lane or opens a connection.
 Where no host runs (another machine, ``sender_host`` false, the host gone),
-the caller sends in-process (:mod:`.sender`).
+the caller sends in-process (:mod:`.pool`).
 
 The local protocol (a Unix socket in a 0700 directory; both ends are this
 package, same version)::
@@ -44,13 +44,14 @@ from typing import Any
 
 import pyarrow as pa
 
-from ..errors import TransferError
-from . import codec
-from .lifetime import alive, spawn, write_private
-from .partition import LaneLostError, PartitionStream
-from .protocol import CommittedPartition, Complete, ProtocolError
-from .report import ConnectionStats, with_choice
-from .spec import TransferSpec
+from ...errors import TransferError
+from ..machine import alive, private_dir, spawn, write_private
+from ..rules import codec
+from ..rules.errors import LaneLostError, ProtocolError, rebuild_error
+from ..rules.protocol import CommittedPartition, Complete
+from ..rules.report import ConnectionStats, with_choice
+from ..rules.spec import TransferSpec
+from .stream import PartitionStream
 
 log = logging.getLogger(__name__)
 
@@ -187,15 +188,10 @@ class HostLaunch:
             time.sleep(0.02)
 
 
-def private_dir(directory: Path) -> Path:
-    """``directory`` (and its parents), the last one readable by this user alone."""
-    directory.parent.mkdir(parents=True, exist_ok=True)
-    directory.mkdir(mode=0o700, exist_ok=True)
-    return directory
-
-
 def _spawn(directory: Path, mode: str, start: Path) -> subprocess.Popen:
-    return spawn("spark_dilation.transfer.senderhost", [mode, str(start)], directory / "host.log")
+    return spawn(
+        "spark_dilation.transfer.send.senderhost", [mode, str(start)], directory / "host.log"
+    )
 
 
 def _pid_alive(pid_file: Path) -> bool:
@@ -266,33 +262,6 @@ def host_dir_log(sock: socket.socket) -> str:
         if not peer.startswith(str(_PROC_FD)):  # a descriptor's name says nothing later
             return str(Path(peer).parent / "host.log")
     return "host.log in the transfer's sender directory"
-
-
-def error_record(e: BaseException) -> dict[str, str]:
-    """How the host reports an error: enough to raise the same class with the same message."""
-    return {"type": type(e).__qualname__, "module": type(e).__module__, "message": str(e)}
-
-
-def rebuild_error(record: dict[str, str]) -> BaseException:
-    """The host's error (:func:`error_record`) as the same class with the same message.
-
-    Only our own exception classes are rebuilt; anything else (a bug in the
-    host) becomes a :class:`TransferError` that names it.
-    """
-    name, module, message = record["type"], record.get("module", ""), record["message"]
-    cls: type | None = None
-    if module.startswith("spark_dilation.") and "." not in name:
-        import importlib
-
-        with contextlib.suppress(ImportError):
-            found = getattr(importlib.import_module(module), name, None)
-            if isinstance(found, type) and issubclass(found, Exception):
-                cls = found
-    if cls is None:
-        return TransferError(f"{message} ({name} in a spark-dilation helper process)")
-    error = cls.__new__(cls)
-    Exception.__init__(error, message)
-    return error
 
 
 def send_partition_via_host(

@@ -1,9 +1,9 @@
 """The one sending interface the Spark layer calls: agree, send a partition, commit, abort.
 
 Whether this machine's sender host carries the work (option ``sender_host``,
-:mod:`.hostlink`) or this process does (:mod:`.sender`) is decided here and
+:mod:`.hostlink`) or this process does (:mod:`.pool`) is decided here and
 nowhere else. The driver machine's host always runs the session, holds the
-writing end of the directory (:mod:`.hub`) and delivers the commit or the
+writing end of the directory (:mod:`..meet.hub`) and delivers the commit or the
 abort. With ``sender_host`` (the default) every sending machine gets one
 host, started by its first task, so a transfer opens at most one connection
 per (sending machine, lane); with it off each task process sends itself; a
@@ -21,15 +21,15 @@ from typing import Any
 
 import pyarrow as pa
 
-from .protocol import CommittedPartition
-from .report import (
+from ..rules.protocol import CommittedPartition
+from ..rules.report import (
     ConnectionStats,
     TransferReport,
     merge_relay_fallbacks,
     merge_stats,
     with_choice,
 )
-from .spec import TransferSpec
+from ..rules.spec import TransferSpec
 
 log = logging.getLogger(__name__)
 
@@ -57,8 +57,8 @@ def send(
             via_host = send_partition_via_host(spec, partition, attempt, batches)
         if via_host is not None:
             return via_host
-    from .codec import choice_of
-    from .sender import pool, send_partition
+    from ..rules.codec import choice_of
+    from .pool import pool, send_partition
 
     connections = pool()
     committed = send_partition(spec, partition, attempt, batches, connections=connections)
@@ -76,7 +76,7 @@ def commit(
     The report counts every connection of every sending process: the tasks'
     hosts (or pools) and the host (or this process) that delivered the manifest.
     """
-    from .protocol import Manifest
+    from ..rules.protocol import Manifest
 
     sent = list(sent)
     manifest = Manifest.of(spec.transfer_id, (c for c, _ in sent))
@@ -88,7 +88,7 @@ def commit(
     if host_stats is not None:
         stats.append(host_stats)
     else:
-        from .sender import deliver_manifest
+        from .pool import deliver_manifest
 
         _, control = deliver_manifest(spec, manifest.partitions)
     connections, reconnects, path = merge_stats(stats)
@@ -108,7 +108,7 @@ def commit(
 
 
 def _detail(spec: TransferSpec, stats: list[ConnectionStats], partitions: int) -> str:
-    from .codec import AUTO, describe, fallback_detail, stats_choices
+    from ..rules.codec import AUTO, describe, fallback_detail, stats_choices
 
     if spec.compression == AUTO:
         return describe(stats_choices(stats))
@@ -118,7 +118,7 @@ def _detail(spec: TransferSpec, stats: list[ConnectionStats], partitions: int) -
 def abort(spec: TransferSpec, reason: str, timeout: float | None = None) -> None:
     """Tell every lane the transfer failed (best effort: the lanes' deadlines end them too)."""
     from .hostlink import deliver_abort_via_host
-    from .sender import ABORT_TIMEOUT
+    from .pool import ABORT_TIMEOUT
 
     timeout = ABORT_TIMEOUT if timeout is None else timeout
     try:
@@ -126,6 +126,6 @@ def abort(spec: TransferSpec, reason: str, timeout: float | None = None) -> None
             return
     except Exception as e:  # best effort, like deliver_abort; try in-process
         log.warning("the sender host could not deliver the abort: %s", e)
-    from .sender import deliver_abort
+    from .pool import deliver_abort
 
     deliver_abort(spec, reason, timeout=timeout)

@@ -21,84 +21,18 @@ from pathlib import Path
 import pyarrow as pa
 import pyarrow.ipc as ipc
 
-from ..errors import TransferError
-from .lifetime import lock_held, try_lock
-from .protocol import Manifest
+from ..machine import lock_held, os_cause, try_lock
+from ..rules.errors import StagingError
+from ..rules.protocol import Manifest
 
 MANIFEST_FILE = "manifest.json"
 ERROR_FILE = "error.json"
-
-
-class TransferAbortedError(TransferError):
-    """The other side ended the whole transfer (its ``A`` message); ``str()`` says who and why."""
-
-
-class CannotHealError(TransferError):
-    """Partitions were confirmed to a lane incarnation whose data is gone."""
-
-
-class LaneIdleError(TransferError, TimeoutError):
-    pass
-
-
-class StagingError(TransferError):
-    """The lane could not write what it received to its staging folder (disk full, ...)."""
-
-
-def os_cause(e: BaseException) -> str:
-    """``[Errno 28] No space left on device``: an OS error without its file name."""
-    if isinstance(e, OSError) and e.errno:  # pyarrow's OSErrors carry it too, wordier
-        return f"[Errno {e.errno}] {os.strerror(e.errno)}"
-    return str(e)
 
 
 def staging_error(lane: int, what: str, e: OSError, root: Path) -> StagingError:
     return StagingError(
         f"lane {lane} could not stage {what}: {os_cause(e)} (staging folder {root})"
     )
-
-
-def _existing(path: Path) -> Path:
-    """``path`` or its nearest ancestor that exists."""
-    path = Path(os.path.abspath(path))
-    while not path.exists() and path != path.parent:
-        path = path.parent
-    return path
-
-
-def space_refusal(nbytes: int | None, places: list[Path]) -> str | None:
-    """Why ``nbytes`` (the offer's estimate) clearly cannot fit in ``places``, or None.
-
-    Each place needs the whole estimate (staged, then written out); places on
-    one file system add up. An unknown size (None) is never refused.
-    """
-    if not nbytes:
-        return None
-    need: dict[int, int] = {}
-    free: dict[int, int] = {}
-    where: dict[int, Path] = {}
-    for place in places:
-        probe = _existing(place)
-        try:
-            dev = os.stat(probe).st_dev
-            st = os.statvfs(probe)
-        except OSError:
-            continue  # the write itself will say what is wrong
-        need[dev] = need.get(dev, 0) + nbytes
-        free[dev] = st.f_bavail * st.f_frsize
-        where.setdefault(dev, place)
-    for dev, needed in need.items():
-        if free[dev] < needed:
-            return (
-                f"the receiving machine has not enough free space for the dataset: it is "
-                f"about {_mb(nbytes)} and {where[dev]} has {_mb(free[dev])} free (about "
-                f"{_mb(needed)} needed there)"
-            )
-    return None
-
-
-def _mb(n: int) -> str:
-    return f"{n / 1e6:.1f} MB"
 
 
 class LaneStaging:
@@ -170,7 +104,7 @@ def take_lane_lock(staging: LaneStaging, patience: float = PROBE_PATIENCE) -> in
 
 def write_host_error(staging: LaneStaging, error: BaseException) -> None:
     """The lane's error for its read tasks, and copies elsewhere (hostlink's error record)."""
-    from .hostlink import error_record
+    from ..rules.errors import error_record
 
     tmp = staging.dir / f".{ERROR_FILE}.tmp"
     tmp.write_text(json.dumps(error_record(error)))
@@ -178,7 +112,7 @@ def write_host_error(staging: LaneStaging, error: BaseException) -> None:
 
 
 def raise_host_error(staging: LaneStaging) -> None:
-    from .hostlink import rebuild_error
+    from ..rules.errors import rebuild_error
 
     path = staging.dir / ERROR_FILE
     if not path.exists():

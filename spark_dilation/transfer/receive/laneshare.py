@@ -1,11 +1,11 @@
 """A lane host's links to the rest of its cluster: the registry, and staged lanes shared by copy.
 
 A lane host claims its lane at the reading application's registry
-(:mod:`.readerhost`, rules in :mod:`.registry`) and stays linked to it; when
+(:mod:`.registryhost`, rules in :mod:`..rules.registry`) and stays linked to it; when
 the link ends (the application ended), the host removes its staged rows and
 exits. Once its lane is complete it serves it (:class:`LaneServer`) to lane
 hosts on other executors, which copy it (:func:`fetch_lane`) into their own
-staging and serve it in turn. Frames are :mod:`.boxlink` frames::
+staging and serve it in turn. Frames are :mod:`..link` frames::
 
     fetcher -> server: {"fetch": L, "have": [partitions it holds already]}
     server -> fetcher: per staged partition: {"file": P, "size": N}, chunks of at most
@@ -31,10 +31,11 @@ import uuid
 from collections.abc import Callable
 from typing import Any
 
-from .boxlink import (
+from ..link import (
     CHUNK,
+    PING,
+    SILENCE,
     BoxLink,
-    LinkError,
     advertised_addresses,
     connect,
     keep_alive,
@@ -42,10 +43,11 @@ from .boxlink import (
     listen,
     serve_connections,
 )
-from .protocol import Manifest
-from .readerhost import PING, SILENCE, registry_key
-from .registry import HostInfo
-from .spec import TransferSpec
+from ..rules.errors import LinkError
+from ..rules.protocol import Manifest
+from ..rules.registry import HostInfo
+from ..rules.spec import TransferSpec
+from .registryhost import registry_key
 from .staging import ERROR_FILE, LaneStaging
 
 log = logging.getLogger(__name__)
@@ -73,7 +75,7 @@ class RegistryLink:
         try:
             self.link = connect(addresses, port, registry_key(spec), REGISTRY_CONNECT)
         except LinkError as e:
-            from ..errors import TransferError
+            from ...errors import TransferError
 
             raise TransferError(
                 "this lane could not reach the lane registry of the application that loaded "
@@ -83,7 +85,7 @@ class RegistryLink:
         self._answers: queue.Queue[dict[str, Any]] = queue.Queue()
         self._asking = threading.Lock()  # one request and its answer at a time
         self._on_lost = on_lost
-        from .rendezvous import sender_set
+        from ..meet.rendezvous import sender_set
 
         self.senders = sender_set(spec.transfer_id)
         self.lost = threading.Event()
@@ -98,7 +100,7 @@ class RegistryLink:
     def cause(self, lane: int, own: BaseException | None = None) -> BaseException | None:
         """The transfer's true cause (a lane's own failure), declaring ``own`` first if given:
         the registry knows it before this lane tells the senders (registry.own_failure)."""
-        from .hostlink import error_record, rebuild_error
+        from ..rules.errors import error_record, rebuild_error
 
         record = error_record(own) if own is not None else None
         found = self._request({"cause": lane, "own": record}, "cause", CAUSE_WAIT)["cause"]
@@ -213,7 +215,7 @@ def fetch_lane(spec: TransferSpec, lane: int, staging: LaneStaging, source: Host
     """Copy the lane from ``source`` into ``staging``: partitions as the source stages them
     (a receiver is followed), the manifest last. Raises the lane's own error if it fails
     there (rebuilt from its record), LinkError if the source goes away."""
-    from .hostlink import rebuild_error
+    from ..rules.errors import rebuild_error
 
     link = connect(source.addresses, source.port, share_key(spec), REGISTRY_CONNECT)
     started, total, files = time.monotonic(), 0, 0

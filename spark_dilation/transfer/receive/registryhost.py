@@ -1,9 +1,9 @@
-"""The reader host: the lane registry of one loaded dataset, for as long as its application runs.
+"""The registry host: the lane registry of one loaded dataset, for as long as its application runs.
 
 ``DilationDataSource.schema()`` (``load()``, on the driver's machine) starts
-it with :func:`start_reader_host` once the code is agreed. It listens on
+it with :func:`start_registry_host` once the code is agreed. It listens on
 every interface of the driver's machine (the executors reach the driver, so
-they reach this too) and keeps the :class:`~.registry.LaneRegistry`: every
+they reach this too) and keeps the :class:`~..rules.registry.LaneRegistry`: every
 lane host of the transfer, on any executor, claims its lane here and stays
 connected. It watches the process that owns the DataFrame (the driver JVM):
 when that ends, the host closes every link, and each lane host removes its
@@ -11,7 +11,7 @@ staged rows and exits. So a loaded DataFrame stays readable, from any
 executor, as long as its application runs and one machine holding each lane
 does; and nothing is left behind when the application ends.
 
-Frames (:mod:`.boxlink`, JSON)::
+Frames (:mod:`..link`, JSON)::
 
     lane host -> registry: {"claim": L, "host": HostInfo, "complete": bool}   answer {"do": ...}
                            {"done": L} | {"failed": L, "error": record} | {"ping": 1}
@@ -26,10 +26,10 @@ Frames (:mod:`.boxlink`, JSON)::
                            claims after it)
 
 It is also the reading end of the transfer's directory
-(:class:`~.rendezvous.ReadingEnd`): it publishes each lane's epoch (which
+(:class:`~..meet.rendezvous.ReadingEnd`): it publishes each lane's epoch (which
 rises each time a new host receives the lane) to the writing end, and passes
 every sender id the writing end issues on to the lane hosts, which open a
-door for each (:mod:`.directory`). The writing end's abort on that link is
+door for each (:mod:`..rules.directory`). The writing end's abort on that link is
 passed to every lane host, each of which ends its lane at once; the reading
 end then answers ``end`` (ahead of the data queued on the connections).
 """
@@ -48,25 +48,25 @@ import uuid
 from pathlib import Path
 from typing import Any
 
-from ..errors import TransferError
-from .boxlink import (
+from ...errors import TransferError
+from ..link import (
+    PING,
+    SILENCE,
     BoxLink,
-    LinkError,
     advertised_addresses,
     keep_alive,
     link_key,
     listen,
     serve_connections,
 )
-from .lifetime import alive, owner_pid, read_private, spawn, write_private
-from .protocol import Abort
-from .registry import HostInfo, LaneRegistry
-from .spec import TransferSpec
+from ..machine import alive, owner_pid, read_private, spawn, write_private
+from ..rules.errors import LinkError
+from ..rules.protocol import Abort
+from ..rules.registry import HostInfo, LaneRegistry
+from ..rules.spec import TransferSpec
 
 log = logging.getLogger(__name__)
 
-PING = 2.0  # both ends of a registry link send a ping this often
-SILENCE = 10.0  # a link silent this long is dead (its machine is lost)
 START_WAIT = 30.0
 # Seconds after the first lane's claim before the registry receives the
 # unclaimed lanes itself (no free task slot for them: show(), busy slots,
@@ -81,7 +81,7 @@ def registry_key(spec: TransferSpec) -> bytes:
     return link_key(spec.secret, "lane registry")
 
 
-class ReaderHost:
+class RegistryHost:
     def __init__(self, spec: TransferSpec, owner: int) -> None:
         self.spec = spec
         self.owner = owner
@@ -102,7 +102,7 @@ class ReaderHost:
         tmp.write_text(json.dumps(ready))
         os.replace(tmp, ready_path)
         log.info("lane registry of %s on %s", self.spec.transfer_id, ready)
-        from .rendezvous import ReadingEnd
+        from ..meet.rendezvous import ReadingEnd
 
         self.reading = ReadingEnd(self.spec, self._introduce, on_abort=self._writer_aborted)
         serve_connections(self.server, self._serve)
@@ -150,7 +150,7 @@ class ReaderHost:
         if len(self.received) != self.spec.lanes or self.reported:
             return
         self.reported = True
-        from .report import combine_paths
+        from ..rules.report import combine_paths
 
         lanes = self.received.values()
         report = {
@@ -231,13 +231,13 @@ class ReaderHost:
                     log.info("after %s left: %s", host.machine, self.registry.snapshot())
 
 
-def start_reader_host(spec: TransferSpec, owner: int | None = None) -> TransferSpec:
+def start_registry_host(spec: TransferSpec, owner: int | None = None) -> TransferSpec:
     """Start the registry for ``spec``; the spec with its address, for every lane host.
 
     Runs where ``load()`` ran (the driver's machine), in a process of its own
     that outlives the planner worker.
     """
-    from .hostlink import private_dir
+    from ..machine import private_dir
 
     directory = private_dir(
         Path(spec.options.staging_root) / f"registry-{spec.transfer_id}-{uuid.uuid4().hex[:6]}"
@@ -246,7 +246,7 @@ def start_reader_host(spec: TransferSpec, owner: int | None = None) -> TransferS
     ready = directory / "ready.json"
     owner = (owner_pid() or os.getpid()) if owner is None else owner
     proc = spawn(
-        "spark_dilation.transfer.readerhost",
+        "spark_dilation.transfer.receive.registryhost",
         [str(directory), str(start), str(owner)],
         directory / "host.log",
     )
@@ -270,7 +270,7 @@ def main(argv: list[str] | None = None) -> int:
         level=logging.INFO, format="%(asctime)s registry %(name)s %(levelname)s %(message)s"
     )
     try:
-        return ReaderHost(spec, int(owner)).run(path / "ready.json")
+        return RegistryHost(spec, int(owner)).run(path / "ready.json")
     finally:
         import shutil
 

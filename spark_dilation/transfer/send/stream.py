@@ -3,7 +3,7 @@
 A Spark task that hands its partition to the machine's sender host
 (:mod:`.senderhost`) encodes it with this module alone, so it never loads
 the wormhole and Dilation stack (about 0.4 CPU-s per process). The
-in-process path (:func:`.sender.send_partition`) uses the same pieces.
+in-process path (:func:`.pool.send_partition`) uses the same pieces.
 """
 
 from __future__ import annotations
@@ -13,60 +13,11 @@ from collections.abc import Callable, Iterable, Iterator
 
 import pyarrow as pa
 
-from ..errors import TransferError
-from . import codec
-from .options import TransferOptions
-from .pqformat import FORMAT as PARQUET
-from .protocol import (
-    CommittedPartition,
-    Complete,
-    PartitionEncoder,
-    PartitionHeader,
-    ProtocolError,
-    SchemaMismatchError,
-)
-from .spec import TransferSpec
-
-
-class LaneNotStartedError(TransferError, TimeoutError):
-    def __init__(
-        self,
-        lane: int,
-        lanes: int,
-        timeout: float,
-        what: str = "a partition",
-        options: TransferOptions | None = None,
-    ) -> None:
-        text = f"lane {lane} of {lanes} did not start within {timeout:g} s (waited to send {what})"
-        raise_it = options.spelled("lane_start_timeout") if options else "lane_start_timeout"
-        if options is None or options.surface == "spark":
-            text += (
-                ". The reader runs its lanes when an action (count(), show(), write) runs, "
-                "and all lanes must run at once: set option lanes to at most the reader's "
-                f"task slots, start the reader's action sooner, or raise {raise_it}"
-            )
-        else:  # the Python API and the CLI run every lane at once: no Spark advice
-            text += f". Check that the receiver is still running, or raise {raise_it}"
-        super().__init__(text)
-
-
-class LaneLostError(TransferError):
-    """The lane went away before it confirmed the partition; a retry sends it again."""
-
-
-class LaneRefusedError(TransferError):
-    """The lane refused the partition (schema mismatch, aborted transfer, ...)."""
-
-
-class ReceiverFailedError(LaneRefusedError):
-    """The receiver could not keep the data (its disk, its output): its own words.
-
-    Not transient: sending the partition again would fail the same way.
-    """
-
-
-class InjectedFailure(TransferError):
-    """A test-only failure requested with option ``test_fail``."""
+from ..rules import codec
+from ..rules.errors import InjectedFailure, ProtocolError, SchemaMismatchError
+from ..rules.pqformat import FORMAT as PARQUET
+from ..rules.protocol import CommittedPartition, Complete, PartitionEncoder, PartitionHeader
+from ..rules.spec import TransferSpec
 
 
 def conform(batch: pa.RecordBatch, schema: pa.Schema) -> pa.RecordBatch:

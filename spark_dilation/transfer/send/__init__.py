@@ -1,0 +1,15 @@
+"""The writer's side of a transfer; this package is the Spark sink's one door.
+
+``agree`` (the session, on the driver), ``send`` (one partition, in a task),
+``commit`` and ``abort`` (on the driver) are :mod:`.verbs`; the modules under
+them are the partition stream (:mod:`.stream`), the connection pool and its
+deliveries (:mod:`.pool`), the local link to this machine's sender host
+(:mod:`.hostlink`) and the host itself (:mod:`.senderhost`). Importing this
+package loads no network stack.
+"""
+
+from __future__ import annotations
+
+from .verbs import abort, agree, commit, send
+
+__all__ = ["abort", "agree", "commit", "send"]
