@@ -289,11 +289,11 @@ def send(source: Any, code: str | None = None, **options: Any) -> SendHandle:
 
 
 def _send_python(source: Any, code: str | None, options: dict[str, Any]) -> SendHandle:
-    from .transfer.api import DatasetSender, _options, _total_rows
+    from .transfer.api import DatasetSender, merge_options
 
-    sender = DatasetSender(source, code=code, options=_options(None, options))
+    sender = DatasetSender(source, code=code, options=merge_options(None, options))
     handle = SendHandle(sender.code, "python")
-    handle._total_rows = _total_rows(sender._source)
+    handle._total_rows = sender.total_rows
     handle._cancel_hook = sender.cancel
     handle._start(lambda: sender.wait(handle._on_progress))
     return handle

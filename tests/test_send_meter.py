@@ -10,7 +10,7 @@ from typing import Any
 
 import pyarrow as pa
 
-from spark_dilation.transfer.api import _SendMeter, confirmed_rows
+from spark_dilation.transfer.api.progress import SendMeter, confirmed_rows
 from spark_dilation.transfer.rules.report import ConnectionStats
 
 
@@ -34,7 +34,7 @@ def test_confirmed_rows_are_the_acknowledged_share() -> None:
 
 def test_the_first_tick_on_a_slow_link_shows_what_arrived() -> None:
     pool: Any = Pool()
-    meter = _SendMeter("t", pool, 100_000, 0.0)
+    meter = SendMeter("t", pool, 100_000, 0.0)
     batches = [pa.record_batch({"x": list(range(10_000))}) for _ in range(10)]
     (maker,) = meter.wrap([lambda: iter(batches)])
     for _ in maker():  # every batch handed to the connection at once...

@@ -19,10 +19,10 @@ import pytest
 
 from spark_dilation.testing.waiting import wait_until
 from spark_dilation.transfer import TransferOptions, receive_dataset
+from spark_dilation.transfer.link import _LEN
 from spark_dilation.transfer.meet.hub import SenderHub
 from spark_dilation.transfer.meet.session import SenderSession
 from spark_dilation.transfer.send.hostlink import (
-    _LEN,
     KIND_PARTITION,
     _connect,
     deliver_manifest_via_host,
@@ -107,12 +107,12 @@ def test_tasks_hand_partitions_to_the_sender_host(opts: dict[str, Any]) -> None:
 
     # Partition 1's first attempt: the task dies after two messages. The lane
     # must drop that attempt, so attempt 1 delivers the partition exactly once.
-    sock = _connect(spec, KIND_PARTITION, {"partition": 1, "attempt": 0})
-    assert sock is not None
+    link = _connect(spec, KIND_PARTITION, {"partition": 1, "attempt": 0})
+    assert link is not None
     messages = PartitionStream(spec, 1, 0).messages(parts[1].slice(0, 5000).to_batches())
     for message in [next(messages), next(messages)]:
-        sock.sendall(_LEN.pack(len(message)) + message)
-    sock.close()
+        link.send(message)
+    link.close()
 
     stats = []
     committed = []
@@ -149,7 +149,8 @@ def test_a_host_that_dies_mid_partition_is_a_retryable_loss(opts: dict[str, Any]
     import signal
 
     from spark_dilation.transfer.rules.errors import LaneLostError
-    from spark_dilation.transfer.send.pool import deliver_manifest, send_partition
+    from spark_dilation.transfer.send.delivery import deliver_manifest
+    from spark_dilation.transfer.send.pool import send_partition
 
     parts = [table(20_000, start=p * 20_000) for p in range(2)]
     spec, receiver, received = agree(parts[0].schema, opts)

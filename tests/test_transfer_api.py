@@ -158,12 +158,12 @@ def test_sender_failure_aborts_the_receiver(opts: dict[str, Any]) -> None:
         yield from mixed(100).to_batches()
         raise RuntimeError("source broke")
 
-    from spark_dilation.transfer import api
+    from spark_dilation.transfer.api import send as api_send
 
     # A dataset whose second partition fails while being read.
     t = mixed(200)
-    sender = api.DatasetSender(t, options=TransferOptions(**opts))
-    original = api._partitions
+    sender = api_send.DatasetSender(t, options=TransferOptions(**opts))
+    original = api_send.partitions_of
 
     def partitions(source: Any, n: int) -> Any:
         parts = original(source, n)
@@ -171,7 +171,7 @@ def test_sender_failure_aborts_the_receiver(opts: dict[str, Any]) -> None:
         return parts
 
     box: dict[str, Any] = {}
-    api._partitions = partitions
+    api_send.partitions_of = partitions
     try:
         thread = threading.Thread(
             target=lambda: box.setdefault("error", _catch(sender.wait)), daemon=True
@@ -181,7 +181,7 @@ def test_sender_failure_aborts_the_receiver(opts: dict[str, Any]) -> None:
             receive_dataset(sender.code, lanes=2, **opts)
         thread.join(60)
     finally:
-        api._partitions = original
+        api_send.partitions_of = original
     assert isinstance(box["error"], RuntimeError)
 
 

@@ -98,7 +98,7 @@ class ServerProcess:
             self.process.stdout.close()
 
 
-def _server_command(
+def server_command(
     *,
     interface: str,
     mailbox_port: int,
@@ -140,7 +140,7 @@ def _child_env() -> dict[str, str]:
     return env
 
 
-def _read_ready_line(proc: subprocess.Popen[bytes], deadline: float) -> bytes | None:
+def read_ready_line(proc: subprocess.Popen[bytes], deadline: float) -> bytes | None:
     """The first stdout line, or None on EOF or when the deadline passes."""
     assert proc.stdout is not None
     fd = proc.stdout.fileno()
@@ -158,7 +158,7 @@ def _read_ready_line(proc: subprocess.Popen[bytes], deadline: float) -> bytes | 
     return bytes(buf.split(b"\n", 1)[0])
 
 
-def _wait_until_accepting(host: str, port: int, deadline: float) -> bool:
+def wait_until_accepting(host: str, port: int, deadline: float) -> bool:
     while True:
         try:
             with socket.create_connection((host, port), timeout=1.0):
@@ -191,7 +191,7 @@ def start_server_process(
     try:
         with os.fdopen(fd, "wb") as stderr_file:
             proc = subprocess.Popen(
-                _server_command(
+                server_command(
                     interface=interface,
                     mailbox_port=mailbox_port,
                     relay_port=relay_port,
@@ -214,7 +214,7 @@ def start_server_process(
     problem = "did not start"
     try:
         deadline = time.monotonic() + timeout
-        line = _read_ready_line(proc, deadline)
+        line = read_ready_line(proc, deadline)
         if line is None:
             # EOF can come a moment before the exit: give the child time to finish.
             with contextlib.suppress(subprocess.TimeoutExpired):
@@ -227,7 +227,7 @@ def start_server_process(
             servers = ServerProcess.from_ready(line, proc, stderr_path)
             host = "127.0.0.1" if interface in ("", "0.0.0.0", "::") else interface
             for port in (servers.mailbox_port, servers.relay_port):
-                if not _wait_until_accepting(host, port, deadline):
+                if not wait_until_accepting(host, port, deadline):
                     problem = f"reported ready but port {port} does not accept connections"
                     break
             else:

@@ -99,10 +99,11 @@ from typing import Any
 import spark_dilation
 from spark_dilation.testing._servers import (
     ServerProcess,
-    _read_ready_line,
-    _server_command,
-    _wait_until_accepting,
+    read_ready_line,
+    server_command,
+    wait_until_accepting,
 )
+from spark_dilation.transfer.machine import atomic_write
 
 __all__ = [
     "Cluster",
@@ -787,7 +788,7 @@ class NetClusters:
         servers back (the machines' ``SPARK_DILATION_MAILBOX``/``RELAY`` stay valid).
         """
         log_path = self.log_dir / "servers.log"
-        cmd = _server_command(
+        cmd = server_command(
             interface=self.services_ip,
             mailbox_port=mailbox_port,
             relay_port=relay_port,
@@ -811,7 +812,7 @@ class NetClusters:
             )
         self._log(f"servers: pid {proc.pid} {shlex.join(cmd)} 2> {log_path}")
         deadline = time.monotonic() + 30.0
-        line = _read_ready_line(proc, deadline)
+        line = read_ready_line(proc, deadline)
         if line is None:
             proc.kill()
             proc.wait()
@@ -822,7 +823,7 @@ class NetClusters:
         self._info["servers"] = {"pid": proc.pid, "pid_start": _proc_start_time(proc.pid)}
         self._save_info()
         for port in (servers.mailbox_port, servers.relay_port):
-            if not _wait_until_accepting(self.services_ip, port, deadline):
+            if not wait_until_accepting(self.services_ip, port, deadline):
                 raise RuntimeError(f"the servers do not accept on port {port}; see {log_path}")
         self._log(f"servers: mailbox {servers.mailbox_url} relay {servers.relay_url}")
         return servers
@@ -886,9 +887,7 @@ class NetClusters:
         return machine
 
     def _save_info(self) -> None:
-        tmp = self.run_dir / "run.json.tmp"
-        tmp.write_text(json.dumps(self._info))
-        tmp.replace(self.run_dir / "run.json")
+        atomic_write(self.run_dir / "run.json", json.dumps(self._info))
 
     def _build(self, workers: int, servers: bool, timeout: float) -> None:
         deadline = time.monotonic() + timeout

@@ -19,7 +19,6 @@ from __future__ import annotations
 
 import argparse
 import json
-import os
 import subprocess
 import sys
 import time
@@ -27,13 +26,12 @@ from collections.abc import Callable, Sequence
 from pathlib import Path
 from typing import Any
 
+from ..transfer.machine import atomic_write
 from .spark_peer import digest, session
 
 
 def _write(path: Path, body: dict[str, Any]) -> None:
-    tmp = path.with_suffix(".tmp")
-    tmp.write_text(json.dumps(body))
-    os.replace(tmp, path)
+    atomic_write(path, json.dumps(body))
 
 
 def run_action(spark: Any, df: Any, step: dict[str, Any]) -> dict[str, Any]:

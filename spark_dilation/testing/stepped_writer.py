@@ -19,6 +19,7 @@ It writes ``DIR/loaded.json`` once its session is up, then answers each
 from __future__ import annotations
 
 import argparse
+import json
 import subprocess
 import sys
 import time
@@ -26,8 +27,9 @@ from collections.abc import Callable, Sequence
 from pathlib import Path
 from typing import Any
 
+from ..transfer.machine import atomic_write
 from .spark_peer import generate, session
-from .stepped_reader import SteppedApp, _write, serve_steps
+from .stepped_reader import SteppedApp, serve_steps
 
 
 class SteppedWriter(SteppedApp):
@@ -90,7 +92,7 @@ def main(argv: list[str] | None = None) -> int:
             return {"error": f"{type(e).__name__}: {e}"[:4000], "t1": time.time()}
         return {"t1": time.time()}
 
-    _write(control / "loaded.json", {"ready": True})
+    atomic_write(control / "loaded.json", json.dumps({"ready": True}))
     return serve_steps(control, args.step_timeout, send, spark.stop)
 
 

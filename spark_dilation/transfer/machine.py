@@ -1,11 +1,15 @@
-"""How our helper processes know when to end: they watch the process that owns them.
+"""This machine's side of our helper processes: start one, wait until it is ready,
+know when to end, and the small files they leave each other.
 
-A helper (the sender host, the registry host) outlives the short-lived Spark
-planner worker that starts it, in a session of its own; its *owner* is the
-Spark application's driver JVM, the nearest ``java`` ancestor at the time it
-starts. When the owner ends (the application finished, crashed or was
-killed), the helper does its last duty (tell the peers, close the links)
-and exits, within :data:`POLL` seconds.
+A helper (the sender host, the registry host, a lane host) outlives the
+short-lived Spark worker that starts it (:func:`spawn`), in a session of its
+own; the starter waits until it is ready or has failed (:func:`wait_ready`).
+Its *owner* is the Spark application's driver JVM, the nearest ``java``
+ancestor at the time it starts. When the owner ends (the application
+finished, crashed or was killed), the helper does its last duty (tell the
+peers, close the links) and exits, within :data:`POLL` seconds (:func:`watch`).
+Files a process reads while another writes them are written whole
+(:func:`atomic_write`).
 """
 
 from __future__ import annotations
@@ -16,12 +20,16 @@ import pickle
 import subprocess
 import sys
 import threading
+import time
 import uuid
 from collections.abc import Callable, Sequence
 from pathlib import Path
-from typing import Any
+from typing import Any, TypeVar
+
+from ..errors import TransferError
 
 POLL = 0.5
+T = TypeVar("T")
 
 
 def alive(pid: int) -> bool:
@@ -116,15 +124,34 @@ def held_in(table: str, dev: int, ino: int) -> bool:
     return False
 
 
+def atomic_write(path: str | Path, data: bytes | str, mode: int = 0o666) -> None:
+    """``data`` (a str as UTF-8) into the file ``path``, all at once: a reader finds
+    the old file or none, or the whole new one, never a part.
+
+    Written to a new file beside it, then renamed over ``path``. ``mode`` is the
+    new file's permissions before the umask (``0o600``: this user's alone).
+    """
+    path = Path(path)
+    body = data.encode() if isinstance(data, str) else data
+    tmp = path.with_name(f".{path.name}.{uuid.uuid4().hex[:8]}.tmp")
+    fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_EXCL, mode)
+    try:
+        with os.fdopen(fd, "wb") as f:
+            f.write(body)
+        os.replace(tmp, path)
+    except BaseException:
+        with contextlib.suppress(OSError):
+            os.unlink(tmp)
+        raise
+
+
 def write_private(directory: Path, obj: Any) -> Path:
     """``obj`` pickled into a new file only this user can read (it may hold the secret).
 
     The helper that gets its path reads it and removes it at once.
     """
     path = Path(directory) / f".start-{uuid.uuid4().hex}.pkl"
-    fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o600)
-    with os.fdopen(fd, "wb") as f:
-        pickle.dump(obj, f)
+    atomic_write(path, pickle.dumps(obj), mode=0o600)
     return path
 
 
@@ -151,6 +178,49 @@ def spawn(module: str, args: Sequence[str], log: Path) -> subprocess.Popen:
         )
 
 
+def wait_ready(
+    proc: subprocess.Popen | None,
+    ready: Callable[[], T | None],
+    failed: Callable[[], BaseException | None],
+    deadline: float,
+    what: str,
+    option: str = "",
+    *,
+    log: Path | None = None,
+    every: float = 0.02,
+) -> T:
+    """Wait until a helper just started is ready: the first value ``ready()`` gives
+    that is not None.
+
+    ``failed()`` says why it never will be (the error it left, its exit), else
+    None: that error is raised, unless ``ready()``, looked at once more, gives a
+    value (the helper got ready and then ended between the two looks). Past
+    ``deadline`` (``time.monotonic()``) ``proc``, if any, is killed and a
+    TransferError names ``what`` was waited for (``"the X to do Y"``), the
+    ``option`` that bounds it and the helper's ``log``.
+    """
+    limit = deadline - time.monotonic()
+    while True:
+        value = ready()
+        if value is not None:
+            return value
+        error = failed()
+        if error is not None:
+            value = ready()
+            if value is not None:
+                return value
+            raise error
+        if time.monotonic() > deadline:
+            if proc is not None:
+                proc.kill()
+            raise TransferError(
+                f"gave up after {round(max(limit, 0), 1):g} s waiting for {what}"
+                + (f" (option {option})" if option else "")
+                + (f"; see {log}" if log is not None else "")
+            )
+        time.sleep(every)
+
+
 def private_dir(directory: Path) -> Path:
     """``directory`` (and its parents), the last one readable by this user alone."""
     directory.parent.mkdir(parents=True, exist_ok=True)
@@ -165,7 +235,7 @@ def os_cause(e: BaseException) -> str:
     return str(e)
 
 
-def _existing(path: Path) -> Path:
+def existing(path: Path) -> Path:
     """``path`` or its nearest ancestor that exists."""
     path = Path(os.path.abspath(path))
     while not path.exists() and path != path.parent:
@@ -185,7 +255,7 @@ def space_refusal(nbytes: int | None, places: list[Path]) -> str | None:
     free: dict[int, int] = {}
     where: dict[int, Path] = {}
     for place in places:
-        probe = _existing(place)
+        probe = existing(place)
         try:
             dev = os.stat(probe).st_dev
             st = os.statvfs(probe)

@@ -51,14 +51,20 @@ from ..rules.directory import (
     DirectoryState,
     SenderIds,
     abort_message,
-    end_message,
     lanes_message,
     senders_message,
 )
 from ..rules.errors import LinkError
 from ..rules.protocol import Abort
 from ..rules.spec import TransferSpec
-from .rendezvous import ROLE_WRITER, DirectoryLink, SenderView, forget, register_view
+from .rendezvous import (
+    ROLE_WRITER,
+    DirectoryLink,
+    SenderView,
+    forget,
+    heard_abort,
+    register_view,
+)
 
 log = logging.getLogger(__name__)
 
@@ -113,11 +119,11 @@ class SenderHub:
         """Our half of the directory, whole (under the lock, or before the link starts)."""
         return {**senders_message(self._ids.issued), **self._abort}
 
-    def tell_abort(self, reason: str, cancelled: bool) -> None:
+    def tell_abort(self, abort: Abort) -> None:
         """Tell the reading end the transfer is over, through the mailbox: ahead of the
         data queued on the connections. It answers ``end`` once its lanes ended."""
         with self._lock:
-            self._abort.update(abort_message(reason, cancelled))
+            self._abort.update(abort_message(abort.reason, abort.cancelled))
             half = self._half()
         self.link.send(half)
 
@@ -140,16 +146,15 @@ class SenderHub:
                 with contextlib.suppress(LinkError):
                     client.send_json(news)
         if heard and self._on_abort is not None:
-            abort = Abort.from_body(self._state.abort or {})
-            log.info(
-                "transfer %s: %s (directory link)", self.spec.transfer_id, abort.text("receiver")
-            )
-            self._on_abort(abort)
-            with self._lock:
-                self._abort.update(end_message(abort.text("receiver")))
-                half = self._half()
-            self.link.send(half)
-            self.answered.set()
+            heard_abort(self.spec, self._state.abort or {}, "receiver", self._on_abort, self._end)
+
+    def _end(self, part: dict[str, Any]) -> None:
+        """Answer the reading end's abort with our ``end``."""
+        with self._lock:
+            self._abort.update(part)
+            half = self._half()
+        self.link.send(half)
+        self.answered.set()
 
     def _link_ended(self, why: str) -> None:
         # Normal at the end: the reading end closes its side once it has the data.

@@ -277,6 +277,42 @@ def _send(w: Any, data: bytes) -> None:
         )
 
 
+def tell_end(
+    tell: Callable[[Abort], None],
+    wait_ended: Callable[[float], str],
+    abort: Abort,
+    deadline: float,
+    answered: threading.Event,
+) -> None:
+    """Tell the other end through the directory link, from a thread of its own; set
+    ``answered`` when its ``end`` comes before ``deadline``. The mailbox carries nothing
+    else, so this does not queue behind data; an end that does not know ``abort`` never
+    answers, and the in-band abort decides."""
+
+    def run() -> None:
+        tell(abort)
+        if wait_ended(deadline):
+            log.info("the other end confirmed the abort through the directory link")
+            answered.set()
+
+    threading.Thread(target=run, name="end-directory", daemon=True).start()
+
+
+def heard_abort(
+    spec: TransferSpec,
+    body: dict[str, Any],
+    other: str,
+    on_abort: Callable[[Abort], None],
+    answer: Callable[[dict[str, Any]], None],
+) -> None:
+    """The ``other`` end's abort came through the directory link (either end's half):
+    end our part of the transfer, then answer ``end`` so that it stops waiting."""
+    abort = Abort.from_body(body)
+    log.info("transfer %s: %s (directory link)", spec.transfer_id, abort.text(other))
+    on_abort(abort)
+    answer(end_message(abort.text(other)))
+
+
 def _wait_ended(cond: threading.Condition, state: DirectoryState, deadline: float) -> str:
     """The other end's ``end`` in ``state`` (merged under ``cond``, which is notified),
     waiting until ``deadline``; "" if none came."""
@@ -322,12 +358,7 @@ class ReadingEnd:
             log.info("transfer %s: senders %s introduced", self.spec.transfer_id, sorted(new))
             self._on_senders(new)
         if told is None and self._state.abort is not None and self._on_abort is not None:
-            abort = Abort.from_body(self._state.abort)
-            log.info(
-                "transfer %s: %s (directory link)", self.spec.transfer_id, abort.text("sender")
-            )
-            self._on_abort(abort)
-            self._send(end_message(abort.text("sender")))
+            heard_abort(self.spec, self._state.abort, "sender", self._on_abort, self._send)
 
     def _send(self, part: dict[str, Any]) -> None:
         with self._cond:
@@ -374,9 +405,9 @@ class SenderView:
         self._doors = SenderDoors(sender)
         self._cond = threading.Condition()
         self._listeners: list[Callable[[dict[int, int]], None]] = []
-        # The writing end's abort through the directory (``tell_abort(reason, cancelled)``);
+        # The writing end's abort through the directory (the hub's ``tell_abort``);
         # None in a process that only reaches the writing end through its hub.
-        self.tell_abort: Callable[[str, bool], None] | None = None
+        self.tell_abort: Callable[[Abort], None] | None = None
 
     def update(self, message: dict[str, Any]) -> None:
         """The writing end's news (lanes' epochs, the end); tells listeners of risen epochs."""

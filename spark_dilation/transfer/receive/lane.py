@@ -1,4 +1,4 @@
-"""The receiving side: lanes, their staging on local disk, and reading them back.
+"""One lane's receiver: it meets the senders, stages their partitions, answers them.
 
 A *lane* is one reader partition. Its receiver runs in the background of the
 process that first reads the lane (a Spark Python worker, or the Python
@@ -15,15 +15,14 @@ read the staged files and never wait for a sender again.
 
 One receiver per lane and machine: an ``flock`` on ``lane-<n>/.lock`` elects
 it; another process reading the same lane meanwhile follows the staged
-files. Lane states (``docs/transfer.md`` has the diagram)::
-
-    STARTING -> RECEIVING (doors open) -> DONE (manifest + every partition staged)
-    RECEIVING -> ABORTED (the sender's abort, or the receiving side ended it:
-    :meth:`LaneReceiver.end_transfer` tells the senders) | FAILED (a partition
-    lost with an earlier incarnation: cannot heal)
-    RECEIVING -> FAILING (a partition could not be staged: disk full, ...; that
-    stream, every later one and the manifest get "E" with the cause) -> FAILED
-    with that cause at the sender's abort (or the manifest)
+files. Lane states: :data:`..rules.states.LANE` is the table, applied in
+:meth:`LaneReceiver._apply` alone. RECEIVING (doors open) -> DONE (manifest
++ every partition staged) or FAILED (the sender's abort; the receiving side
+ended it, :meth:`LaneReceiver.end_transfer` telling the senders; a partition
+lost with an earlier incarnation: cannot heal; idle). RECEIVING -> FAILING (a
+partition could not be staged: disk full, ...; that stream, every later one
+and the manifest get "E" with the cause) -> FAILED with that cause. An
+in-process receiver's lane is STAGED while the receiver writes the data out.
 
 An in-process receiver (the Python API, the CLI) passes ``before_ok``: the
 lane answers the final manifest only once the receiver has put the data where
@@ -86,8 +85,9 @@ from ..rules.protocol import (
     failure_answer,
     ipc_rows,
 )
-from ..rules.report import is_connecting, is_reconnecting, path_of, reconnects_of
+from ..rules.report import path_of, reconnects_of, tally
 from ..rules.spec import TransferSpec
+from ..rules.states import LANE, Lane, LaneEvent
 from .staging import LaneStaging, rows_of, staging_error, take_lane_lock
 
 log = logging.getLogger(__name__)
@@ -157,17 +157,17 @@ class LaneReceiver:
         self._door_threads: list[threading.Thread] = []
         self._senders = sender_set(spec.transfer_id)
         self._connections: list[Any] = []
+        # The lane's state (rules/states.py, LANE), changed by _apply alone, under
+        # _cond; the cause it ended with, and its own first staging failure (disk
+        # full, ...): every later stream and the manifest get that as "E".
+        self.state = LANE.initial
         self.error: BaseException | None = None
-        self.finished = False
+        self.failure: StagingError | None = None
         # In-process receivers (the Python API, the CLI): run before the final
         # manifest's "K" once this lane is staged; blocks until the data is where
         # the receiver asked and returns the receiver's error, if any, to answer
         # "E" instead. None (Spark): "K" means staged, as the lane is the data.
         self.before_ok = before_ok
-        self.staged = False  # manifest and every partition staged, waiting in before_ok
-        # The lane could not stage (disk full, ...): every later stream and the
-        # manifest get it as "E"; the lane ends with it at the abort or manifest.
-        self.failure: StagingError | None = None
         self.last_activity = time.monotonic()
         self.active_streams = 0
         self.connections_made = 0
@@ -180,6 +180,30 @@ class LaneReceiver:
         for partition in staging.complete():
             # Staged by an earlier incarnation on this machine: still good.
             self.book.completed(partition, -1, rows_of(staging.complete_path(partition)))
+
+    # --- state ---------------------------------------------------------------------
+
+    @property
+    def finished(self) -> bool:
+        return self.state in LANE.terminal
+
+    @property
+    def staged(self) -> bool:
+        """Manifest and every partition staged; the receiver writes them out (before_ok)."""
+        return self.state is Lane.STAGED
+
+    def _apply(self, event: LaneEvent, cause: BaseException | None = None) -> bool:
+        """Under ``_cond``: the one place the lane's state changes. True if this ended it."""
+        before = self.state
+        self.state = LANE.next(before, event)
+        if event is LaneEvent.STAGING_FAILED and self.failure is None:
+            assert isinstance(cause, StagingError)
+            self.failure = cause
+        ended = before not in LANE.terminal and self.state in LANE.terminal
+        if ended:
+            self.error = cause
+        self._cond.notify_all()
+        return ended
 
     # --- lifecycle ---------------------------------------------------------------
 
@@ -332,15 +356,19 @@ class LaneReceiver:
             conns = list(self._connections)
         paths = list(self.paths)
         reconnects = self.reconnects
-        reconnecting = connecting = 0
+        statuses = []
         for conn in conns:
             with contextlib.suppress(Exception):
-                status = conn.status()
-                paths.append(path_of(status.connection))
-                reconnects += reconnects_of(status)
-                reconnecting += is_reconnecting(status)
-                connecting += is_connecting(status)
-        return self.connections_made, reconnects, paths, reconnecting, connecting
+                statuses.append(conn.status())
+        seen = tally(statuses)
+        paths += seen.paths
+        return (
+            self.connections_made,
+            reconnects + seen.reconnects,
+            paths,
+            seen.reconnecting,
+            seen.connecting,
+        )
 
     def wait_finished(
         self, staged: bool = False, timeout: float | None = None
@@ -360,20 +388,21 @@ class LaneReceiver:
                 self._cond.wait(max(0.0, min(0.5, left)))
                 quiet = time.monotonic() - self.last_activity
                 busy = self.active_streams or self.staged  # staged: the receiver writes out
-                lost = self.gave_up is not None and not self._connections
+                lost = None if self._connections else self.gave_up
                 if lost and not busy and not self.finished:
                     # Every sender connection is gone and the last one did not come
                     # back within reconnect_timeout: the sender ended without a word
                     # (killed, machine lost) or the network between us is down.
-                    self.finished = True
-                    self.error = LaneIdleError(self._lost_sender_message(self.gave_up))
+                    self._apply(LaneEvent.ENDED, LaneIdleError(self._lost_sender_message(lost)))
                 elif quiet > idle and not busy and not self.finished:
-                    self.finished = True
-                    self.error = LaneIdleError(
-                        f"lane {self.lane} heard nothing from the sender for {idle:g} s (no "
-                        "new connection, no data, no final manifest). Check that the writer "
-                        "is still running, or raise "
-                        f"{self.spec.options.spelled('idle_timeout')}"
+                    self._apply(
+                        LaneEvent.ENDED,
+                        LaneIdleError(
+                            f"lane {self.lane} heard nothing from the sender for {idle:g} s (no "
+                            "new connection, no data, no final manifest). Check that the writer "
+                            "is still running, or raise "
+                            f"{self.spec.options.spelled('idle_timeout')}"
+                        ),
                     )
             return self.error
 
@@ -381,8 +410,7 @@ class LaneReceiver:
         """Keep the lane's first own failure; declare it before the senders hear of it."""
         with self._cond:
             first = self.failure is None
-            self.failure = self.failure or e
-            self._cond.notify_all()
+            self._apply(LaneEvent.STAGING_FAILED, e)
         if first and self.causes is not None:
             try:
                 self.causes.cause(self.lane, e)
@@ -404,11 +432,8 @@ class LaneReceiver:
         """Record the lane's end; stop it in the background, waiting up to ``linger`` s for
         the senders to answer the subchannels' closes (what it sent last reached them)."""
         with self._cond:
-            if self.finished:
+            if not self._apply(LaneEvent.COMPLETED if error is None else LaneEvent.ENDED, error):
                 return
-            self.finished = True
-            self.error = error
-            self._cond.notify_all()
         threading.Thread(target=self.stop, kwargs={"linger": linger}, daemon=True).start()
 
     # --- doors and connections -----------------------------------------------------
@@ -697,8 +722,9 @@ class LaneReceiver:
                 if self.finished or self._stop.is_set():
                     return self.error or TransferError(f"lane {self.lane} stopped")
                 self._cond.wait(0.5)
-            self.staged = True
-            self._cond.notify_all()
+            if self.failure is not None:  # a stream failed since the manifest came
+                return self.failure
+            self._apply(LaneEvent.ALL_STAGED)
         text = self.before_ok()
         return None if text is None else OutputError(text)
 
@@ -728,9 +754,7 @@ class LaneReceiver:
                 )
                 if not finish:
                     return error
-                self.finished = True
-                self.error = error
-                self._cond.notify_all()
+                self._apply(LaneEvent.ENDED, error)
                 threading.Thread(target=self.stop, daemon=True).start()
                 return error
             if missing:

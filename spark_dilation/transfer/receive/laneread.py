@@ -19,10 +19,11 @@ from typing import Any
 import pyarrow as pa
 
 from ...errors import TransferError
+from ..machine import wait_ready
 from ..rules.errors import CannotHealError
 from ..rules.protocol import Manifest
 from ..rules.spec import TransferSpec
-from .staging import LaneStaging, host_alive, raise_host_error, read_staged
+from .staging import LaneStaging, host_alive, host_error, raise_host_error, read_staged
 
 log = logging.getLogger(__name__)
 
@@ -140,21 +141,35 @@ def _spawn_host(spec: TransferSpec, lane: int, staging: LaneStaging) -> Any:
 
 
 def _wait_host(lane: int, staging: LaneStaging, proc: Any, wait: float) -> None:
+    """Until a process holds the lane's lock (this one or another that won it), or
+    the lane is done; the lane's error, or the exit of ``proc``, if not."""
     if proc is None:
         return
-    deadline = time.monotonic() + wait
-    while not host_alive(staging):
-        if proc.poll() is not None:
-            if host_alive(staging) or staging.manifest() is not None:
-                return  # another process won the lock, or the lane is already done
-            raise_host_error(staging)
-            raise TransferError(
-                f"lane {lane}: its receiver process exited with code {proc.returncode}; "
-                f"see {staging.dir / 'host.log'}"
-            )
-        if time.monotonic() > deadline:
-            raise TransferError(f"lane {lane}: its receiver process did not start in {wait:g} s")
-        time.sleep(0.05)
+    log_path = staging.dir / "host.log"
+
+    def ready() -> bool | None:
+        if host_alive(staging):
+            return True
+        # Exited: another process won the lock, or the lane is already done.
+        return True if proc.poll() is not None and staging.manifest() is not None else None
+
+    def failed() -> BaseException | None:
+        if proc.poll() is None:
+            return None
+        return host_error(staging) or TransferError(
+            f"lane {lane}: its receiver process exited with code {proc.returncode}; see {log_path}"
+        )
+
+    # Not killed past the deadline: it may yet take the lock and receive the lane.
+    wait_ready(
+        None,
+        ready,
+        failed,
+        time.monotonic() + wait,
+        f"lane {lane}'s receiver process to start",
+        log=log_path,
+        every=0.05,
+    )
 
 
 def _lose_lane(staging: LaneStaging) -> None:

@@ -59,7 +59,15 @@ from ..link import (
     listen,
     serve_connections,
 )
-from ..machine import alive, owner_pid, read_private, spawn, write_private
+from ..machine import (
+    alive,
+    atomic_write,
+    owner_pid,
+    read_private,
+    spawn,
+    wait_ready,
+    write_private,
+)
 from ..rules.errors import LinkError
 from ..rules.protocol import Abort
 from ..rules.registry import HostInfo, LaneRegistry
@@ -98,9 +106,7 @@ class RegistryHost:
     def run(self, ready_path: Path) -> int:
         port = self.server.getsockname()[1]
         ready = {"addresses": advertised_addresses(), "port": port, "pid": os.getpid()}
-        tmp = ready_path.with_suffix(".tmp")
-        tmp.write_text(json.dumps(ready))
-        os.replace(tmp, ready_path)
+        atomic_write(ready_path, json.dumps(ready))
         log.info("lane registry of %s on %s", self.spec.transfer_id, ready)
         from ..meet.rendezvous import ReadingEnd
 
@@ -250,15 +256,22 @@ def start_registry_host(spec: TransferSpec, owner: int | None = None) -> Transfe
         [str(directory), str(start), str(owner)],
         directory / "host.log",
     )
-    deadline = time.monotonic() + START_WAIT
-    while not ready.exists():
-        if proc.poll() is not None or time.monotonic() > deadline:
-            proc.kill()
-            raise TransferError(
-                f"the lane registry process did not start (see {directory / 'host.log'})"
-            )
-        time.sleep(0.02)
-    info = json.loads(ready.read_text())
+
+    def failed() -> BaseException | None:
+        if proc.poll() is None:
+            return None
+        return TransferError(
+            f"the lane registry process did not start (see {directory / 'host.log'})"
+        )
+
+    info = wait_ready(
+        proc,
+        lambda: json.loads(ready.read_text()) if ready.exists() else None,
+        failed,
+        time.monotonic() + START_WAIT,
+        "the lane registry process to start",
+        log=directory / "host.log",
+    )
     return spec.with_registry(tuple(info["addresses"]), int(info["port"]))
 
 

@@ -12,7 +12,6 @@ from __future__ import annotations
 
 import contextlib
 import json
-import os
 import time
 import uuid
 from collections.abc import Iterator
@@ -21,7 +20,7 @@ from pathlib import Path
 import pyarrow as pa
 import pyarrow.ipc as ipc
 
-from ..machine import lock_held, os_cause, try_lock
+from ..machine import atomic_write, lock_held, os_cause, try_lock
 from ..rules.errors import StagingError
 from ..rules.protocol import Manifest
 
@@ -65,9 +64,7 @@ class LaneStaging:
         return Manifest.from_json(path.read_text())
 
     def write_manifest(self, manifest: Manifest) -> None:
-        tmp = self.dir / f".{MANIFEST_FILE}.tmp"
-        tmp.write_text(manifest.to_json())
-        os.replace(tmp, self.dir / MANIFEST_FILE)
+        atomic_write(self.dir / MANIFEST_FILE, manifest.to_json())
 
 
 def read_staged(path: Path) -> Iterator[pa.RecordBatch]:
@@ -106,18 +103,23 @@ def write_host_error(staging: LaneStaging, error: BaseException) -> None:
     """The lane's error for its read tasks, and copies elsewhere (hostlink's error record)."""
     from ..rules.errors import error_record
 
-    tmp = staging.dir / f".{ERROR_FILE}.tmp"
-    tmp.write_text(json.dumps(error_record(error)))
-    os.replace(tmp, staging.dir / ERROR_FILE)
+    atomic_write(staging.dir / ERROR_FILE, json.dumps(error_record(error)))
 
 
-def raise_host_error(staging: LaneStaging) -> None:
+def host_error(staging: LaneStaging) -> BaseException | None:
+    """The lane's error (:func:`write_host_error`) as the same class, or None."""
     from ..rules.errors import rebuild_error
 
     path = staging.dir / ERROR_FILE
     if not path.exists():
-        return
-    raise rebuild_error(json.loads(path.read_text()))
+        return None
+    return rebuild_error(json.loads(path.read_text()))
+
+
+def raise_host_error(staging: LaneStaging) -> None:
+    error = host_error(staging)
+    if error is not None:
+        raise error
 
 
 def host_alive(staging: LaneStaging) -> bool:

@@ -190,6 +190,12 @@ class TransferOptions:
         return cls(**values, surface="spark")
 
 
+def merge_options(options: TransferOptions | None, overrides: Mapping[str, Any]) -> TransferOptions:
+    """``options`` (default: every default) with ``overrides`` (fields by name) applied."""
+    base = options or TransferOptions()
+    return base.with_(**overrides) if overrides else base
+
+
 def _parse(name: str, raw: Any, kind: Any) -> Any:
     text = str(raw).strip()
     kind = str(kind)

@@ -39,7 +39,13 @@ import pyarrow as pa
 import pyarrow.ipc as ipc
 
 from .codec import AUTO, offer_compression
-from .errors import ProtocolError
+from .errors import (
+    LaneLostError,
+    LaneRefusedError,
+    ProtocolError,
+    ReceiverFailedError,
+    TransferAbortedError,
+)
 from .options import COMPRESSIONS
 from .pqformat import FORMAT as PARQUET
 from .pqformat import ChunkEncoder
@@ -766,3 +772,19 @@ class LaneBook:
     def committed_partitions(self) -> list[int]:
         assert self.manifest is not None
         return [c.partition for c in self.manifest.for_lane(self.lane)]
+
+
+def lane_answer(reply: bytes | None, lane: int, expected: bytes, what: str) -> dict:
+    """The body of the lane's answer about ``what`` if it is ``expected``; else the error."""
+    if reply is None:
+        raise LaneLostError(f"lane {lane} closed without confirming {what}")
+    tag, body = decode_message(reply)
+    if tag == TAG_ERROR and body.get("ended"):
+        raise TransferAbortedError(str(body.get("error")))  # the receiving side ended it
+    if tag == TAG_ERROR and body.get("failed"):
+        raise ReceiverFailedError(str(body.get("error")))
+    if tag == TAG_ERROR:
+        raise LaneRefusedError(f"lane {lane} refused {what}: {body.get('error')}")
+    if tag != expected:
+        raise ProtocolError(f"lane {lane} answered {tag!r} about {what}")
+    return body

@@ -13,16 +13,13 @@ host claims its lane there before it does anything. The registry answers:
 * ``error``: the lane failed (the sender aborted, it cannot heal, every copy is
   gone): the same error, at once, for every later read.
 
-Lane states::
-
-    NONE --claim--> RECEIVING(host, epoch + 1) --done--> DONE(replicas)
-    RECEIVING --host gone--> NONE             (a new claim receives; the lane
-                                               itself detects lost partitions;
-                                               unclaimed again: see below)
-    RECEIVING --failed--> FAILED(error)
-    RECEIVING --claim by another host--> RECEIVING (it follows the receiver)
-    DONE --claim--> DONE (fetch from a replica; the fetcher becomes one)
-    DONE --last replica gone--> FAILED(cannot heal)
+Lane states: :data:`~.states.REGISTRY_LANE` is the table (every legal
+transition; :func:`_move` applies it). In short: NONE --claim--> RECEIVING
+(host, epoch + 1) --done--> DONE (replicas); RECEIVING --receiver gone-->
+NONE (a new claim receives; the lane itself detects lost partitions);
+RECEIVING --claim by another host--> RECEIVING (it follows the receiver);
+DONE --claim--> DONE (fetch from a replica; the fetcher becomes one);
+DONE --last replica gone--> FAILED (cannot heal).
 
 A lane in NONE that no host claims for a grace period after the first claim
 (or :data:`RECEIVER_GONE_WAIT` after its receiver went) is received by the registry itself
@@ -42,7 +39,11 @@ from collections.abc import Collection
 from dataclasses import dataclass, field
 from typing import Any
 
-NONE, RECEIVING, DONE, FAILED = "none", "receiving", "done", "failed"
+from ...errors import TransferError
+from .errors import CannotHealError, error_record
+from .states import REGISTRY_LANE, Placed, PlacedEvent
+
+NONE, RECEIVING, DONE, FAILED = Placed.NONE, Placed.RECEIVING, Placed.DONE, Placed.FAILED
 HOSTING_ATTEMPTS = 3
 RECEIVER_GONE_WAIT = 30.0
 """Seconds a lane whose receiver went waits for a new claim (Spark's rerun of the task,
@@ -81,7 +82,7 @@ class HostInfo:
 
 @dataclass
 class LaneEntry:
-    state: str = NONE
+    state: Placed = NONE
     receiver: HostInfo | None = None
     replicas: dict[str, HostInfo] = field(default_factory=dict)
     lost: list[str] = field(default_factory=list)  # machines whose copy went away
@@ -94,6 +95,12 @@ class LaneEntry:
     # Rises each time a new host receives the lane (-1: never received); the
     # reading end publishes it so that senders meet that host (directory.py).
     epoch: int = -1
+
+
+def _move(entry: LaneEntry, event: PlacedEvent) -> Placed:
+    """The one place a registry lane changes state (:data:`~.states.REGISTRY_LANE`)."""
+    entry.state = REGISTRY_LANE.next(entry.state, event)
+    return entry.state
 
 
 def cannot_heal_record(
@@ -111,16 +118,14 @@ def cannot_heal_record(
         "ended": "its lane host ended: machine lost or process killed",
     }
     where = "; ".join(f"on {', '.join(ms)}: {why[way]}" for way, ms in ways.items() if ms)
-    return {
-        "type": "CannotHealError",
-        "module": "spark_dilation.transfer.receive.staging",
-        "message": (
+    return error_record(
+        CannotHealError(
             f"lane {lane} cannot heal: every copy of its staged rows is gone ({where}), and the "
             "sender has finished. Nothing was emitted twice or lost silently; load the "
             "DataFrame again from a new transfer (a new code), or cache() it after load() "
             "next time"
-        ),
-    }
+        )
+    )
 
 
 class LaneRegistry:
@@ -161,16 +166,12 @@ class LaneRegistry:
         if entry.state != NONE or entry.claimed:
             return  # a read task claimed it meanwhile
         if entry.hosting_failures >= HOSTING_ATTEMPTS:
-            entry.state, entry.error = (
-                FAILED,
-                {
-                    "type": "TransferError",
-                    "module": "spark_dilation.errors",
-                    "message": (
-                        f"lane {lane}: no read task ran it and its receiver on the driver's "
-                        f"machine did not start ({HOSTING_ATTEMPTS} tries): {error}"
-                    ),
-                },
+            _move(entry, PlacedEvent.HOSTING_GAVE_UP)
+            entry.error = error_record(
+                TransferError(
+                    f"lane {lane}: no read task ran it and its receiver on the driver's "
+                    f"machine did not start ({HOSTING_ATTEMPTS} tries): {error}"
+                )
             )
         else:
             entry.hosted_at, entry.left_at = None, now
@@ -189,45 +190,49 @@ class LaneRegistry:
         if self.first_claim is None:
             self.first_claim = now
         entry.claimed = True
-        if entry.state == FAILED:
+        before = entry.state
+        _move(entry, PlacedEvent.CLAIM_COMPLETE if complete else PlacedEvent.CLAIM)
+        if before == FAILED:
             return {"do": "error", "error": entry.error}
         if complete:
             entry.replicas[host.host_id] = host
-            if entry.state != DONE:
-                entry.state, entry.receiver = DONE, None
+            entry.receiver = None
             return {"do": "serve"}
-        if entry.state == DONE:
+        if before == DONE:
             sources = [h.to_json() for h in entry.replicas.values() if h.host_id != host.host_id]
             return {"do": "fetch", "sources": sources}
-        if entry.state == RECEIVING:
+        if before == RECEIVING:
             assert entry.receiver is not None
             if entry.receiver.host_id == host.host_id:
                 return {"do": "receive", "epoch": entry.epoch}
             # Follow the receiver: its partitions as they are staged, then the
             # manifest (a show() may need the first rows before the lane ends).
             return {"do": "fetch", "sources": [entry.receiver.to_json()]}
-        entry.state, entry.receiver = RECEIVING, host
+        entry.receiver = host
         entry.epoch += 1
         return {"do": "receive", "epoch": entry.epoch}
 
     def done(self, lane: int, host: HostInfo) -> None:
         entry = self._entry(lane)
-        if entry.state == FAILED:
+        if _move(entry, PlacedEvent.DONE) == FAILED:
             return
-        entry.state, entry.receiver = DONE, None
+        entry.receiver = None
         entry.replicas[host.host_id] = host
 
     def failed(self, lane: int, host: HostInfo, error: dict[str, str]) -> None:
         """The lane's own verdict (the sender's abort, cannot heal, idle): final."""
         entry = self._entry(lane)
-        if entry.state == DONE:
+        if entry.state == FAILED:
+            entry.error = error  # the latest verdict (the cause wins below)
+        elif _move(entry, PlacedEvent.FAILED) == DONE:
             return  # a fetcher's failure; the lane still has its copies
-        entry.state, entry.receiver, entry.error = FAILED, None, error
+        entry.receiver, entry.error = None, error
         if error.get("type") == "TransferAbortedError":
             # The sender aborted the whole transfer: no lane can finish.
             for other in self.lanes:
                 if other.state != FAILED:
-                    other.state, other.receiver, other.error = FAILED, None, error
+                    _move(other, PlacedEvent.ABORTED)
+                    other.receiver, other.error = None, error
         if self.cause is not None:
             # The true cause wins over the aborts it set off, whichever came first.
             for other in self.lanes:
@@ -257,13 +262,14 @@ class LaneRegistry:
         """
         for lane, entry in enumerate(self.lanes):
             if entry.receiver is not None and entry.receiver.host_id == host_id:
-                entry.state, entry.receiver = NONE, None
+                _move(entry, PlacedEvent.RECEIVER_GONE)
+                entry.receiver = None
                 entry.claimed, entry.left_at, entry.hosted_at = False, now, None
             lost = entry.replicas.pop(host_id, None)
             if lost is not None:
                 entry.lost.append(lost.machine)
                 if entry.state == DONE and not entry.replicas:
-                    entry.state = FAILED
+                    _move(entry, PlacedEvent.LAST_REPLICA_GONE)
                     entry.error = cannot_heal_record(lane, entry.lost, entry.deleted)
 
     def epochs(self) -> dict[int, int]:
@@ -275,7 +281,7 @@ class LaneRegistry:
         return [
             {
                 "lane": lane,
-                "state": e.state,
+                "state": e.state.value,
                 "receiver": e.receiver.machine if e.receiver else None,
                 "replicas": sorted(h.machine for h in e.replicas.values()),
             }

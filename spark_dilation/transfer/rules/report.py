@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 import json
-from collections.abc import Iterable
+from collections.abc import Iterable, Sequence
 from dataclasses import asdict, dataclass, replace
 from typing import Any
 
@@ -51,6 +51,40 @@ class TransferReport:
     # What the partitions' codecs were and why, where the option alone does not say:
     # compression=auto (codec.describe()), or parquet sent as zstd (codec.fallback_detail()).
     compression_detail: str = ""
+
+    @classmethod
+    def of(
+        cls,
+        partitions: Sequence[Any],
+        stats: Iterable[ConnectionStats],
+        *,
+        lanes: int,
+        compression: str,
+        seconds: float,
+        control: int = 0,
+        compression_detail: str = "",
+    ) -> TransferReport:
+        """The report of a transfer of ``partitions`` (committed: ``rows``, ``bytes``).
+
+        ``stats``: what each sending process's connections did, merged as
+        :func:`merge_stats` does (the receiving side: one per lane);
+        ``control``: connections opened besides those, for the manifest.
+        """
+        stats = list(stats)
+        connections, reconnects, path = merge_stats(stats)
+        return cls(
+            rows=sum(c.rows for c in partitions),
+            bytes=sum(c.bytes for c in partitions),
+            partitions=len(partitions),
+            lanes=lanes,
+            connections=connections + control,
+            reconnects=reconnects,
+            path=path,
+            seconds=seconds,
+            compression=compression,
+            relay_fallbacks=merge_relay_fallbacks(stats),
+            compression_detail=compression_detail,
+        )
 
     @property
     def rows_per_s(self) -> float:
@@ -105,6 +139,30 @@ def is_connecting(status: Any) -> bool:
 
 def _trying(status: Any) -> bool:
     return status.connection is None and status.down_since is not None and not status.error
+
+
+@dataclass(frozen=True)
+class StatusTally:
+    """What a set of Dilation connections' statuses say together (see :func:`tally`)."""
+
+    paths: tuple[str, ...] = ()  # "direct" / "relay" / "unknown", one per connection
+    reconnects: int = 0
+    reconnecting: int = 0  # down now and being re-established
+    connecting: int = 0  # never up yet, first attempts under way
+    relay_fallbacks: int = 0
+
+
+def tally(statuses: Iterable[Any]) -> StatusTally:
+    """Count over Dilation connection statuses: paths, reconnects, how many are
+    reconnecting or still connecting now, relay fallbacks."""
+    statuses = list(statuses)
+    return StatusTally(
+        paths=tuple(path_of(s.connection) for s in statuses),
+        reconnects=sum(reconnects_of(s) for s in statuses),
+        reconnecting=sum(is_reconnecting(s) for s in statuses),
+        connecting=sum(is_connecting(s) for s in statuses),
+        relay_fallbacks=sum(s.relay_fallbacks for s in statuses),
+    )
 
 
 def combine_paths(paths: Iterable[str]) -> str:

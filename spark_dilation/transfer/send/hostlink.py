@@ -10,12 +10,12 @@ checksum) and never loads Twisted, pairs with a lane or opens a connection.
 Where no host runs (another machine, ``sender_host`` false, the host gone),
 the caller sends in-process (:mod:`.pool`).
 
-The local protocol (a Unix socket in a 0700 directory; both ends are this
-package, same version)::
+The local protocol is a :class:`~..link.LocalLink` (a Unix socket in a 0700
+directory, frames in the clear; both ends are this package, same version)::
 
-    client: b"SDH1" token(32) kind(1) len(4) JSON     kind P, M, A or L
-    P only: len(4) message ... len(4)=0               header .. trailer, then end
-    host:   len(4) JSON                               {"ok": ...} or {"error": ...}
+    client: hello(b"SDH1" token(32) kind(1)) frame(JSON)    kind P, M, A or L
+    P only: frame(message) ... frame(empty)                 header .. trailer, then end
+    host:   frame(JSON)                                     {"ok": ...} or {"error": ...}
 
 ``token`` is an HMAC of the transfer secret, so only a process that holds
 the transfer's spec can use its host.
@@ -32,7 +32,6 @@ import os
 import pickle
 import shutil
 import socket
-import struct
 import subprocess
 import tempfile
 import time
@@ -45,25 +44,23 @@ from typing import Any
 import pyarrow as pa
 
 from ...errors import TransferError
-from ..machine import alive, private_dir, spawn, write_private
+from ..link import FrameTooLarge, LocalLink
+from ..machine import alive, private_dir, spawn, wait_ready, write_private
 from ..rules import codec
-from ..rules.errors import LaneLostError, ProtocolError, rebuild_error
+from ..rules.errors import LaneLostError, LinkError, ProtocolError, rebuild_error
 from ..rules.protocol import CommittedPartition, Complete
 from ..rules.report import ConnectionStats, with_choice
 from ..rules.spec import TransferSpec
+from . import meter
 from .stream import PartitionStream
 
 log = logging.getLogger(__name__)
 
-MAGIC = b"SDH1"
 KIND_PARTITION = b"P"
 KIND_MANIFEST = b"M"
 KIND_ABORT = b"A"
 KIND_LINK = b"L"  # compression=auto: what the host's connections carry (no frames)
-_LEN = struct.Struct(">I")
-MAX_REQUEST = 64 * 1024 * 1024  # a manifest of many partitions is still far below
 HOST_START_WAIT = 30.0  # a host being started: how long a task waits for its socket
-_NOSIGNAL = getattr(socket, "MSG_NOSIGNAL", 0)  # EPIPE, not SIGPIPE, if the host is gone
 _AF_UNIX_PATH_MAX = 100  # sun_path is 104-108 bytes; stay under it everywhere
 # A longer socket path is reached through its directory's descriptor: the
 # kernel resolves /proc/self/fd/N/host.sock to the real (0700) directory.
@@ -159,33 +156,40 @@ class HostLaunch:
 
     def wait_spec(self) -> TransferSpec:
         """The agreed spec, once the receiver used the code (bounded by ``peer_timeout``)."""
-        deadline = time.monotonic() + self.peer_timeout + 60  # + the host's own start
-        while True:
-            # Whether it had exited before we look for its files: one that wrote
-            # them and then exited is not mistaken for one that wrote nothing.
-            exited = self.proc.poll() is not None
-            if (self.dir / "spec.pkl").exists():
-                with open(self.dir / "spec.pkl", "rb") as f:
-                    spec = pickle.load(f)
-                os.unlink(self.dir / "spec.pkl")  # it holds the transfer secret
-                return spec
-            if (self.dir / "error.json").exists():
-                error = json.loads((self.dir / "error.json").read_text())
-                self.proc.wait(10)
-                shutil.rmtree(self.dir, ignore_errors=True)  # the error says it all
-                raise rebuild_error(error)
-            if exited:
-                raise TransferError(
-                    f"the sender process exited (code {self.proc.returncode}) before the "
-                    f"session over the code was agreed; see {self.dir / 'host.log'}"
-                )
-            if time.monotonic() > deadline:
-                self.proc.kill()
-                raise TransferError(
-                    f"the sender process did not agree on the code within "
-                    f"{self.peer_timeout:g} s (option peer_timeout); see {self.dir / 'host.log'}"
-                )
-            time.sleep(0.02)
+        return wait_ready(
+            self.proc,
+            self._spec,
+            self._failed,
+            time.monotonic() + self.peer_timeout + 60,  # + the host's own start
+            "the sender process to agree on the code",
+            "peer_timeout",
+            log=self.dir / "host.log",
+        )
+
+    def _spec(self) -> TransferSpec | None:
+        path = self.dir / "spec.pkl"
+        if not path.exists():
+            return None
+        with open(path, "rb") as f:
+            spec = pickle.load(f)
+        os.unlink(path)  # it holds the transfer secret
+        return spec
+
+    def _failed(self) -> BaseException | None:
+        # Whether it had exited before we look for its file: one that wrote its
+        # error and then exited is not mistaken for one that wrote nothing.
+        exited = self.proc.poll() is not None
+        if (self.dir / "error.json").exists():
+            error = json.loads((self.dir / "error.json").read_text())
+            self.proc.wait(10)
+            shutil.rmtree(self.dir, ignore_errors=True)  # the error says it all
+            return rebuild_error(error)
+        if exited:
+            return TransferError(
+                f"the sender process exited (code {self.proc.returncode}) before the "
+                f"session over the code was agreed; see {self.dir / 'host.log'}"
+            )
+        return None
 
 
 def _spawn(directory: Path, mode: str, start: Path) -> subprocess.Popen:
@@ -201,55 +205,45 @@ def _pid_alive(pid_file: Path) -> bool:
         return False
 
 
-def _connect(spec: TransferSpec, kind: bytes, request: dict) -> socket.socket | None:
-    """A connection to this machine's host with the request sent, or None if none runs."""
+def _connect(spec: TransferSpec, kind: bytes, request: dict) -> LocalLink | None:
+    """A link to this machine's host with the request sent, or None if none runs."""
     path = socket_path(spec)
-    deadline = time.monotonic() + HOST_START_WAIT
-    while not path.exists():
+    pid_file = host_dir(spec) / "host.pid"
+
+    def gone() -> BaseException | None:
+        return None if _pid_alive(pid_file) else TransferError("no sender host runs here")
+
+    try:
         # Started but not listening yet (it imports the stack first): worth the wait.
-        if not _pid_alive(host_dir(spec) / "host.pid") or time.monotonic() > deadline:
-            return None
-        time.sleep(0.02)
-    sock = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
-    try:
+        wait_ready(
+            None,
+            lambda: path.exists() or None,
+            gone,
+            time.monotonic() + HOST_START_WAIT,
+            "this machine's sender host to listen",
+        )
         with unix_address(path) as address:
-            sock.connect(address)
-    except OSError:  # gone meanwhile (refused, no such file)
-        sock.close()
+            link = LocalLink.open(address, host_token(spec), kind)
+    except TransferError:  # none runs, or it is gone meanwhile (refused, no such file)
         return None
-    body = json.dumps(request).encode()
     try:
-        sock.sendall(MAGIC + host_token(spec) + kind + _LEN.pack(len(body)) + body, _NOSIGNAL)
-    except OSError:
-        sock.close()
+        link.send_json(request)
+    except LinkError:
+        link.close()
         return None
-    return sock
+    return link
 
 
-def recv_exactly(sock: socket.socket, n: int) -> bytearray:
-    """``n`` bytes from ``sock`` in a new buffer; EOFError if it closes first."""
-    buf = bytearray(n)
-    view = memoryview(buf)
-    got = 0
-    while got < n:
-        k = sock.recv_into(view[got:])
-        if k == 0:
-            raise EOFError(f"closed after {got} of {n} bytes")
-        got += k
-    return buf
-
-
-def _reply(sock: socket.socket, what: str) -> dict:
+def _reply(link: LocalLink, what: str) -> dict:
     """The host's answer; its error re-raised as the same class, or LaneLostError."""
     try:
-        (n,) = _LEN.unpack(recv_exactly(sock, 4))
-        if n > MAX_REQUEST:
-            raise ProtocolError(f"the sender host's answer is {n} bytes")
-        answer = json.loads(recv_exactly(sock, n))
-    except (OSError, EOFError, ValueError) as e:
+        answer = link.recv_json()
+    except FrameTooLarge as e:
+        raise ProtocolError(f"the sender host's answer is {e.size} bytes") from e
+    except (LinkError, ValueError) as e:
         raise LaneLostError(
             f"this machine's sender host went away before it confirmed {what} ({e}); "
-            f"its log is {host_dir_log(sock)}"
+            f"its log is {host_dir_log(link.sock)}"
         ) from e
     if "error" in answer:
         raise rebuild_error(answer["error"])
@@ -268,24 +262,23 @@ def send_partition_via_host(
     spec: TransferSpec, partition: int, attempt: int, batches: Iterable[pa.RecordBatch]
 ) -> tuple[CommittedPartition, ConnectionStats] | None:
     """Hand one partition to the host; None if no host runs here (send in-process)."""
-    sock = _connect(spec, KIND_PARTITION, {"partition": partition, "attempt": attempt})
-    if sock is None:
+    link = _connect(spec, KIND_PARTITION, {"partition": partition, "attempt": attempt})
+    if link is None:
         return None
     opts = spec.options
     # The host enforces the real deadlines and explains them; this one only
     # bounds a host that stopped answering.
-    sock.settimeout(opts.lane_start_timeout + 2 * opts.reconnect_timeout + 30)
+    link.settimeout(opts.lane_start_timeout + 2 * opts.reconnect_timeout + 30)
     stream = PartitionStream(spec, partition, attempt, link=lambda: host_link(spec, partition))
-    with sock:
+    with link:
         try:
             for message in stream.messages(batches):
-                sock.sendall(_LEN.pack(len(message)), _NOSIGNAL)
-                sock.sendall(message, _NOSIGNAL)
-            sock.sendall(_LEN.pack(0), _NOSIGNAL)
-        except OSError as e:
+                link.send(message)
+            link.send(b"")  # the end marker
+        except LinkError as e:
             # The host closed on us: its answer (if it managed one) says why.
-            raise _host_error_or(sock, f"partition {partition}", e) from e
-        answer = _reply(sock, f"partition {partition}")
+            raise _host_error_or(link, f"partition {partition}", e) from e
+        answer = _reply(link, f"partition {partition}")
     done = Complete.from_body(answer["complete"])
     stats = answer["stats"]
     stats["paths"] = tuple(stats["paths"])
@@ -295,19 +288,19 @@ def send_partition_via_host(
 def host_link(spec: TransferSpec, partition: int) -> codec.Link:
     """The link to ``partition``'s lane as this machine's host sees it (it holds the
     connections and measures); the host answers once that connection is up."""
-    sock = _connect(spec, KIND_LINK, {"partition": partition})
-    if sock is None:
-        return codec.current_link(spec.transfer_id)
-    sock.settimeout(spec.options.lane_start_timeout + 30)
-    with sock:
-        answer = _reply(sock, "the link query")
+    link = _connect(spec, KIND_LINK, {"partition": partition})
+    if link is None:
+        return meter.current_link(spec.transfer_id)
+    link.settimeout(spec.options.lane_start_timeout + 30)
+    with link:
+        answer = _reply(link, "the link query")
     return codec.observed_link(str(answer["path"]), answer["rate"], bool(answer["exact"]))
 
 
-def _host_error_or(sock: socket.socket, what: str, error: OSError) -> BaseException:
-    sock.settimeout(1.0)
+def _host_error_or(link: LocalLink, what: str, error: LinkError) -> BaseException:
+    link.settimeout(1.0)
     try:
-        _reply(sock, what)
+        _reply(link, what)
     except (TransferError, ProtocolError) as e:
         return e
     return LaneLostError(f"this machine's sender host stopped taking {what}: {error}")
@@ -318,52 +311,46 @@ def deliver_manifest_via_host(
 ) -> ConnectionStats | None:
     """The manifest through the host (its connection stats); None if no host runs."""
     request = {"partitions": [asdict(p) for p in partitions]}
-    sock = _connect(spec, KIND_MANIFEST, request)
-    if sock is None:
+    link = _connect(spec, KIND_MANIFEST, request)
+    if link is None:
         return None
-    with sock:
-        sock.settimeout(spec.options.lane_start_timeout + 30)
-        stats = _reply(sock, "the final manifest")["stats"]
+    with link:
+        link.settimeout(spec.options.lane_start_timeout + 30)
+        stats = _reply(link, "the final manifest")["stats"]
     stats["paths"] = tuple(stats["paths"])
     return ConnectionStats(**stats)
 
 
 def deliver_abort_via_host(spec: TransferSpec, reason: str, timeout: float) -> bool:
     """The abort through the host; False if no host runs here."""
-    sock = _connect(spec, KIND_ABORT, {"reason": reason, "timeout": timeout})
-    if sock is None:
+    link = _connect(spec, KIND_ABORT, {"reason": reason, "timeout": timeout})
+    if link is None:
         return False
-    with sock:
-        sock.settimeout(timeout + 10)
-        _reply(sock, "the abort")
+    with link:
+        link.settimeout(timeout + 10)
+        _reply(link, "the abort")
     return True
 
 
-def read_request(sock: socket.socket, token: bytes) -> tuple[bytes, dict[str, Any]]:
-    """Host side: the kind and JSON body of a request; ValueError if it is not ours."""
-    head = recv_exactly(sock, len(MAGIC) + len(token) + 1 + 4)
-    if head[:4] != MAGIC or not hmac.compare_digest(head[4 : 4 + len(token)], token):
-        raise ValueError("not a request of this transfer")
-    kind = bytes(head[4 + len(token) : 5 + len(token)])
-    (n,) = _LEN.unpack(head[-4:])
-    if n > MAX_REQUEST:
-        raise ValueError(f"request of {n} bytes")
-    return kind, json.loads(recv_exactly(sock, n))
+def read_request(sock: socket.socket, token: bytes) -> tuple[LocalLink, bytes, dict[str, Any]]:
+    """Host side: the link, kind and JSON body of a request; LinkError (or ValueError,
+    a body that is not JSON) if it is not one of this transfer's."""
+    link, kind = LocalLink.accept(sock, token)
+    return link, kind, link.recv_json()
 
 
-def read_frame(sock: socket.socket) -> bytearray | None:
-    """Host side: the next message of a partition, or None at its end marker.
+def read_frame(link: LocalLink) -> bytes | bytearray | None:
+    """Host side: the next message of a partition, or None at its end marker (an
+    empty frame); LinkError if the task went away.
 
     Each message gets a new buffer: the connection may still hold the last one.
     """
-    (n,) = _LEN.unpack(recv_exactly(sock, _LEN.size))
-    if n == 0:
-        return None
-    if n > MAX_REQUEST:
-        raise ProtocolError(f"a message of {n} bytes from a task")
-    return recv_exactly(sock, n)
+    try:
+        message = link.recv()
+    except FrameTooLarge as e:
+        raise ProtocolError(f"a message of {e.size} bytes from a task") from e
+    return message or None
 
 
-def write_answer(sock: socket.socket, answer: dict) -> None:
-    body = json.dumps(answer).encode()
-    sock.sendall(_LEN.pack(len(body)) + body)
+def write_answer(link: LocalLink, answer: dict) -> None:
+    link.send_json(answer)

@@ -14,11 +14,10 @@ on every connection it made and fails the transfer at once
 it raises the lane's reason (:class:`TransferAbortedError`) and none is sent
 again. A local cancel uses the same cut.
 
-Sender task states (``docs/transfer.md`` has the diagram)::
-
-    CONNECTING --pool hit / paired--> STREAMING --trailer sent--> AWAITING_COMPLETE
-    AWAITING_COMPLETE --"C"--> COMMITTED      (the task may succeed)
-    any state --error / "E" / deadline--> FAILED (the lane drops the attempt)
+A partition attempt's states are :data:`..rules.states.SENDER_TASK`, applied
+in :class:`_Attempt` alone: CONNECTING --subchannel open--> STREAMING
+--trailer sent--> AWAITING_COMPLETE --"C"--> COMMITTED (the task may
+succeed); any of them --error, "E", deadline--> FAILED (the lane drops it).
 """
 
 from __future__ import annotations
@@ -30,8 +29,7 @@ import os
 import socket
 import threading
 import time
-from collections.abc import Callable, Iterable
-from concurrent.futures import ThreadPoolExecutor
+from collections.abc import Iterable
 from typing import Any
 
 import crochet
@@ -47,17 +45,14 @@ from ..meet.rendezvous import (
     close_wormhole,
     dilate_paired,
     meet,
-    registered_view,
     sender_view,
 )
-from ..rules import codec
 from ..rules.directory import Door
 from ..rules.errors import (
     InjectedFailure,
     LaneLostError,
     LaneNotStartedError,
     LaneRefusedError,
-    ProtocolError,
     ReceiverFailedError,
     TransferAbortedError,
 )
@@ -72,13 +67,15 @@ from ..rules.protocol import (
     Abort,
     CommittedPartition,
     Complete,
-    Manifest,
     decode_message,
     encode_json,
+    lane_answer,
     lane_of,
 )
-from ..rules.report import ConnectionStats, is_connecting, is_reconnecting, path_of, reconnects_of
+from ..rules.report import ConnectionStats, path_of, tally
 from ..rules.spec import TransferSpec
+from ..rules.states import SENDER_TASK, Task, TaskEvent
+from . import meter
 from .stream import PartitionStream
 
 log = logging.getLogger(__name__)
@@ -90,9 +87,6 @@ __all__ = [
     "LaneNotStartedError",
     "LaneRefusedError",
     "ReceiverFailedError",
-    "deliver_abort",
-    "deliver_control",
-    "deliver_manifest",
     "pool",
     "send_partition",
     "stream_partition",
@@ -296,7 +290,7 @@ class ConnectionPool:
                 # By id: the meter must not keep closed connections alive.
                 acked[id(conn)], queued[id(conn)] = status.acked_bytes, status.queued_bytes
             for transfer_id, (acked, queued) in progress.items():
-                codec.note_progress(transfer_id, now, acked, queued)
+                meter.note_progress(transfer_id, now, acked, queued)
 
     def _rehosted(self, spec: TransferSpec, epochs: dict[int, int]) -> None:
         """The directory's push: these lanes have a new host; meet it now (the meeting
@@ -409,16 +403,15 @@ class ConnectionPool:
     def stats(self, transfer_id: str) -> ConnectionStats:
         with self._lock:
             opened = self.opened.get(transfer_id, 0)
-        paths: list[str] = []
-        reconnects = reconnecting = connecting = fallbacks = 0
-        for status in self._statuses(transfer_id):
-            paths.append(path_of(status.connection))
-            reconnects += reconnects_of(status)
-            reconnecting += is_reconnecting(status)
-            connecting += is_connecting(status)
-            fallbacks += status.relay_fallbacks
+        seen = tally(self._statuses(transfer_id))
         return ConnectionStats(
-            process_name(), opened, reconnects, tuple(paths), reconnecting, fallbacks, connecting
+            process_name(),
+            opened,
+            seen.reconnects,
+            seen.paths,
+            seen.reconnecting,
+            seen.relay_fallbacks,
+            seen.connecting,
         )
 
     def link_bytes(self, transfer_id: str) -> tuple[int, int]:
@@ -485,6 +478,19 @@ def send_partition(
     return stream.committed(done, lane_of(partition, spec.lanes))
 
 
+class _Attempt:
+    """One partition attempt's state (:data:`..rules.states.SENDER_TASK`); logs its end."""
+
+    def __init__(self, transfer_id: str, partition: int, lane: int) -> None:
+        self.state = SENDER_TASK.initial
+        self.what = f"partition {partition} to lane {lane} of transfer {transfer_id}"
+
+    def to(self, event: TaskEvent) -> None:
+        before, self.state = self.state, SENDER_TASK.next(self.state, event)
+        if self.state is Task.FAILED and before is not Task.FAILED:
+            log.debug("%s: %s ended %s", self.what, before.value, self.state.value)
+
+
 def stream_partition(
     spec: TransferSpec,
     partition: int,
@@ -498,8 +504,27 @@ def stream_partition(
     trailer, the subchannel closes without it and the lane drops the attempt.
     """
     connections = connections or pool()
-    opts = spec.options
     lane = lane_of(partition, spec.lanes)
+    tid = spec.transfer_id
+    attempt = _Attempt(tid, partition, lane)
+    try:
+        complete = _stream(spec, partition, messages, connections, lane, attempt)
+    except BaseException:
+        attempt.to(TaskEvent.FAILED)
+        raise
+    attempt.to(TaskEvent.COMPLETE)
+    return complete
+
+
+def _stream(
+    spec: TransferSpec,
+    partition: int,
+    messages: Iterable[bytes],
+    connections: ConnectionPool,
+    lane: int,
+    attempt: _Attempt,
+) -> Complete:
+    opts = spec.options
     tid = spec.transfer_id
     ended = connections.failure(tid)
     if ended is not None:
@@ -517,10 +542,12 @@ def stream_partition(
         channel.close()
         raise connections.failure(tid) or AssertionError("unreachable")
     path = _path(conn)
-    codec.note_path(tid, path)  # compression=auto decides with it (partition.py)
+    meter.note_path(tid, path)  # compression=auto decides with it (partition.py)
+    attempt.to(TaskEvent.OPENED)
     try:
         for message in messages:
             channel.send(message, timeout=opts.reconnect_timeout)
+        attempt.to(TaskEvent.TRAILER_SENT)
         reply = channel.receive(timeout=opts.reconnect_timeout + opts.lane_start_timeout)
     except DilationTimeout as e:
         channel.close()
@@ -534,7 +561,7 @@ def stream_partition(
         early = _early_answer(channel)
         if early is not None:  # the lane refused mid-stream and closed: its reason
             channel.close()
-            _answer(early, lane, TAG_COMPLETE, f"partition {partition}")
+            lane_answer(early, lane, TAG_COMPLETE, f"partition {partition}")
         connections.evict(tid, lane, conn)
         raise LaneLostError(
             f"the connection to lane {lane} failed while sending partition {partition}: {e}"
@@ -548,7 +575,7 @@ def stream_partition(
     ended = connections.failure(tid)
     if ended is not None and reply is not None and reply[:1] == TAG_ERROR:
         raise ended  # refused because the receiver ended the transfer: say why, once
-    return Complete.from_body(_answer(reply, lane, TAG_COMPLETE, f"partition {partition}"))
+    return Complete.from_body(lane_answer(reply, lane, TAG_COMPLETE, f"partition {partition}"))
 
 
 def _path(conn: Any) -> str:
@@ -565,238 +592,3 @@ def _early_answer(channel: Any) -> bytes | None:
     except BlockingDilationError:
         return None
     return reply if reply is not None and reply[:1] == TAG_ERROR else None
-
-
-def _answer(reply: bytes | None, lane: int, expected: bytes, what: str) -> dict:
-    """The body of the lane's answer about ``what`` if it is ``expected``; else the error."""
-    if reply is None:
-        raise LaneLostError(f"lane {lane} closed without confirming {what}")
-    tag, body = decode_message(reply)
-    if tag == TAG_ERROR and body.get("ended"):
-        raise TransferAbortedError(str(body.get("error")))  # the receiving side ended it
-    if tag == TAG_ERROR and body.get("failed"):
-        raise ReceiverFailedError(str(body.get("error")))
-    if tag == TAG_ERROR:
-        raise LaneRefusedError(f"lane {lane} refused {what}: {body.get('error')}")
-    if tag != expected:
-        raise ProtocolError(f"lane {lane} answered {tag!r} about {what}")
-    return body
-
-
-def deliver_control(
-    spec: TransferSpec,
-    message: bytes,
-    *,
-    timeout: float,
-    connections: ConnectionPool | None = None,
-    lanes: Iterable[int] | None = None,
-    any_lane: bool = False,
-) -> int:
-    """Send the manifest (or an abort) to every lane and wait for each to confirm.
-
-    With ``any_lane`` (a cancel), return as soon as one lane confirmed: the
-    receiver then ends every lane, so the others may never answer.
-
-    Returns how many Dilation connections it opened (one per lane, more if a
-    lane went away meanwhile), which the transfer report counts.
-
-    Runs in a fresh process (Spark's commit()/abort() worker) with a pool of
-    its own (one connection per lane, in parallel), or with the pool whose
-    connections the partitions used (``connections``: the Python API's send,
-    the sender host), closed afterwards. The latter needs no new meeting, so no
-    mailbox: a mailbox lost mid-transfer does not cost the transfer.
-    """
-    errors: list[BaseException] = []
-    deadline = time.monotonic() + timeout
-    opened_before = connections.opened.get(spec.transfer_id, 0) if connections else 0
-    connections = connections or ConnectionPool()
-    what = "the abort" if message[:1] == TAG_ABORT else "the final manifest"
-
-    def once(lane: int) -> None:
-        conn = connections.get(spec, lane, deadline, what=what)
-        try:
-            with conn.open(CONTROL_SUBPROTOCOL, timeout=timeout) as channel:
-                channel.send(message, timeout=timeout)
-                reply = channel.receive(timeout=max(1.0, deadline - time.monotonic()))
-        except DilationError as e:  # gone, given up, or never reached (no path): again
-            connections.evict(spec.transfer_id, lane, conn)
-            raise LaneLostError(f"lane {lane} went away during {what}: {e}") from e
-        if reply is None:
-            connections.evict(spec.transfer_id, lane, conn)
-        _answer(reply, lane, TAG_OK, what)
-
-    confirmed = threading.Event()
-
-    def one(lane: int) -> None:
-        # A lane re-hosted meanwhile (a new epoch) gets it again.
-        while True:
-            try:
-                once(lane)
-                confirmed.set()
-                return
-            except LaneLostError as e:
-                if confirmed.is_set() and any_lane:
-                    return
-                if time.monotonic() >= deadline:
-                    errors.append(e)
-                    return
-                log.info("%s; trying again", e)
-                time.sleep(0.5)
-            except BaseException as e:
-                errors.append(e)
-                return
-
-    targets = list(range(spec.lanes) if lanes is None else lanes)
-    if any_lane:
-        workers = [threading.Thread(target=one, args=(lane,), daemon=True) for lane in targets]
-        for w in workers:
-            w.start()
-        if _first_confirmed(confirmed, workers, deadline):
-            return 0
-        raise errors[0] if errors else LaneLostError(f"no lane confirmed {what} in {timeout:g} s")
-    with ThreadPoolExecutor(max_workers=max(1, min(16, len(targets)))) as ex:
-        list(ex.map(one, targets))
-    opened = connections.stats(spec.transfer_id).connections_opened - opened_before
-    connections.close_transfer(spec.transfer_id)
-    if errors:
-        raise errors[0]
-    return opened
-
-
-def _first_confirmed(
-    confirmed: threading.Event, threads: list[threading.Thread], deadline: float
-) -> bool:
-    """Wait until ``confirmed`` is set, every thread has ended, or a second past
-    ``deadline`` (the threads' own bound); whether it was set."""
-    while not confirmed.is_set() and any(t.is_alive() for t in threads):
-        if time.monotonic() > deadline + 1.0:
-            break
-        confirmed.wait(0.05)
-    return confirmed.is_set()
-
-
-def deliver_manifest(
-    spec: TransferSpec,
-    partitions: Iterable[CommittedPartition],
-    connections: ConnectionPool | None = None,
-) -> tuple[Manifest, int]:
-    """Deliver the final manifest to every lane: (the manifest, connections opened)."""
-    manifest = Manifest.of(spec.transfer_id, partitions)
-    opened = deliver_control(
-        spec, manifest.encode(), timeout=spec.options.lane_start_timeout, connections=connections
-    )
-    return manifest, opened
-
-
-ABORT_TIMEOUT = 10.0  # s: how long the sending side tries to tell live lanes (docs/transfer.md)
-
-
-def deliver_abort(
-    spec: TransferSpec,
-    reason: str,
-    timeout: float = ABORT_TIMEOUT,
-    connections: ConnectionPool | None = None,
-    *,
-    cancelled: bool = False,
-    reached_only: bool = False,
-) -> bool:
-    """Tell every reachable lane the transfer failed or was cancelled (best effort, bounded).
-
-    ``reason``: what failed, or the cause of the cancel (``"Ctrl-C"``). With
-    ``reached_only`` only the lanes ``connections`` is connected to are told
-    (the receiver ends every lane when one is aborted), or every lane over new
-    connections if it has none. True if every lane told confirmed, or if the
-    receiver ended the transfer itself (a lane's ``A`` reached ``connections``):
-    its lanes are gone, and waiting for them would only delay the caller's error.
-
-    On a connection the abort travels behind the data already queued on it
-    (up to the Dilation queue's high-water mark plus the socket buffers:
-    half a minute on a 0.5 MB/s link). So where this process is the writing
-    end, the abort also goes through the directory link (the mailbox), and a
-    reading end that knows it answers at once; a ``reached_only`` abort that
-    is confirmed neither way within :data:`FRESH_ABORT_AFTER` also goes over a
-    new connection (the lanes' next doors), which carries nothing else. The
-    first confirmation wins; the receiver ignores the others.
-    """
-    if connections is not None and connections.receiver_ended(spec.transfer_id):
-        log.info("the receiver ended transfer %s itself: no abort to tell", spec.transfer_id)
-        return True
-    abort = Abort(reason, cancelled)
-    lanes = connections.lanes_connected(spec.transfer_id) if reached_only and connections else []
-    try:
-        if lanes:
-            _abort_soonest(spec, abort, timeout, connections, lanes)
-        else:  # every lane on ``connections``, or none reached: over new connections
-            _abort_soonest(spec, abort, timeout, None if reached_only else connections, None)
-        return True
-    except (DilationError, TimeoutError) as e:
-        log.warning("could not tell every lane about the abort: %s", e)
-        return False
-
-
-FRESH_ABORT_AFTER = 0.5  # s: an in-band abort on an idle or fast link has confirmed by then
-
-
-def _abort_soonest(
-    spec: TransferSpec,
-    abort: Abort,
-    timeout: float,
-    connections: ConnectionPool | None,
-    lanes: list[int] | None,
-) -> None:
-    """Race the ways to tell the lanes; return at the first confirmation.
-
-    * in-band: ``lanes`` (any one confirming is enough: the receiver ends them
-      all) on ``connections``, or every lane (each confirming) when ``lanes``
-      is None;
-    * the directory link, where this process is the writing end;
-    * with ``lanes``, after :data:`FRESH_ABORT_AFTER`: new connections to them.
-    """
-    deadline = time.monotonic() + timeout
-    done = threading.Event()
-    errors: list[BaseException] = []
-    fresh = ConnectionPool()
-
-    def tell(pool: ConnectionPool | None) -> None:
-        try:
-            deliver_control(spec, abort.encode(), timeout=timeout, connections=pool,
-                            lanes=lanes, any_lane=lanes is not None)  # fmt: skip
-            done.set()
-        except BaseException as e:
-            errors.append(e)
-
-    def tell_directory(view: SenderView, tell_abort: Callable[[str, bool], None]) -> None:
-        # The mailbox carries nothing else: the reading end hears it in a round trip
-        # and answers "end" once its lanes were told (a reading end that does not know
-        # "abort" never answers, and the in-band abort decides).
-        tell_abort(abort.reason, abort.cancelled)
-        if view.wait_ended(deadline):
-            log.info("the receiver confirmed the abort through the directory link")
-            done.set()
-
-    racers = [threading.Thread(target=tell, args=(connections,), daemon=True, name="abort")]
-    racers[0].start()
-    view = registered_view(spec.transfer_id)
-    tell_abort = view.tell_abort if view is not None else None
-    if tell_abort is not None:
-        threading.Thread(
-            target=tell_directory, args=(view, tell_abort), name="abort-dir", daemon=True
-        ).start()
-    try:
-        if lanes is not None and not done.wait(FRESH_ABORT_AFTER):
-            log.info(
-                "the abort waits behind queued data: telling the lanes on a new connection too"
-            )
-            racers.append(
-                threading.Thread(target=tell, args=(fresh,), daemon=True, name="abort-fresh")
-            )
-            racers[-1].start()
-        confirmed = _first_confirmed(done, racers, deadline)
-        if not confirmed and tell_abort is not None:
-            # The connections are done with (failed): the directory's answer may still
-            # come, a moment later, from a receiver that ended on it.
-            confirmed = done.wait(max(0.0, min(1.0, deadline - time.monotonic())))
-    finally:
-        fresh.close_transfer(spec.transfer_id, linger=0.0)
-    if not confirmed:
-        raise errors[0] if errors else TimeoutError(f"no lane confirmed the abort in {timeout:g} s")

@@ -40,14 +40,16 @@ from collections.abc import Iterator
 from dataclasses import asdict
 
 from ...errors import DilationError, TransferError
-from ..machine import alive, owner_pid, private_dir, read_private, try_lock, watch
+from ..link import LocalLink
+from ..machine import alive, atomic_write, owner_pid, private_dir, read_private, try_lock, watch
 from ..meet.hub import HUB_CONNECT
 from ..meet.rendezvous import sender_view
-from ..rules import codec
-from ..rules.errors import ProtocolError, error_record
+from ..rules.errors import LinkError, ProtocolError, error_record
 from ..rules.protocol import CommittedPartition, lane_of
 from ..rules.report import path_of
 from ..rules.spec import TransferSpec
+from . import meter
+from .delivery import deliver_abort, deliver_manifest
 from .hostlink import (
     KIND_ABORT,
     KIND_LINK,
@@ -62,7 +64,7 @@ from .hostlink import (
     unix_address,
     write_answer,
 )
-from .pool import ConnectionPool, deliver_abort, deliver_manifest, stream_partition
+from .pool import ConnectionPool, stream_partition
 
 log = logging.getLogger("spark_dilation.transfer.send.senderhost")
 
@@ -212,15 +214,15 @@ class SenderHost:
         try:
             with conn:
                 try:
-                    kind, request = read_request(conn, self.token)
-                except (OSError, EOFError, ValueError) as e:
+                    link, kind, request = read_request(conn, self.token)
+                except (LinkError, ValueError) as e:
                     log.warning("dropped a local connection: %s", e)
                     return
                 owed = int(kind in (KIND_MANIFEST, KIND_ABORT))
                 with self._lock:
                     self._owed += owed
                 try:
-                    answer = self._handle(kind, request, conn)
+                    answer = self._handle(kind, request, link)
                 except _TaskGone as e:
                     log.info("%s", e)
                     return
@@ -229,22 +231,22 @@ class SenderHost:
                 except Exception as e:  # a bug: tell the task, keep serving the others
                     log.exception("serving a task")
                     answer = {"error": error_record(e)}
-                with contextlib.suppress(OSError):
-                    write_answer(conn, answer)
+                with contextlib.suppress(LinkError):
+                    write_answer(link, answer)
         finally:
             with self._lock:
                 self._active -= 1
                 self._owed -= owed
                 self._last = time.monotonic()
 
-    def _handle(self, kind: bytes, request: dict, conn: socket.socket) -> dict:
+    def _handle(self, kind: bytes, request: dict, link: LocalLink) -> dict:
         spec = self.spec
         if kind == KIND_PARTITION:
             partition = int(request["partition"])
             log.info("partition %d: a task is sending it", partition)
             started = time.monotonic()
             done = stream_partition(
-                spec, partition, self._messages(conn, partition), connections=self.pool
+                spec, partition, self._messages(link, partition), connections=self.pool
             )
             log.info(
                 "partition %d: confirmed by its lane after %.1f s", partition,
@@ -271,7 +273,7 @@ class SenderHost:
                 conn = self.pool.get(spec, lane, time.monotonic() + wait)
                 conn.wait_dilated(timeout=wait)
                 path = path_of(conn.status().connection)
-            known, rate, exact = codec.link_state(spec.transfer_id)
+            known, rate, exact = meter.link_state(spec.transfer_id)
             return {"path": path if path != "unknown" else known, "rate": rate, "exact": exact}
         if kind == KIND_ABORT:
             try:
@@ -283,13 +285,13 @@ class SenderHost:
             return {"ok": True}
         raise ProtocolError(f"unknown request kind {kind!r}")
 
-    def _messages(self, conn: socket.socket, partition: int) -> Iterator[bytearray]:
+    def _messages(self, link: LocalLink, partition: int) -> Iterator[bytes | bytearray]:
         """The partition's messages as the task sends them, up to its end marker."""
         first = True
         while True:
             try:
-                message = read_frame(conn)
-            except (OSError, EOFError) as e:
+                message = read_frame(link)
+            except LinkError as e:
                 raise _TaskGone(
                     f"the task sending partition {partition} went away mid-partition "
                     "(its lane drops this attempt)"
@@ -342,7 +344,7 @@ def _serve_agreed(spec: TransferSpec, owner: int | None, launch_dir: str) -> int
         (directory / "host.pid").write_text(str(os.getpid()))
         with contextlib.suppress(OSError):
             (directory / "host.log").symlink_to(os.path.join(launch_dir, "host.log"))
-    _write_atomically(os.path.join(launch_dir, "spec.pkl"), pickle.dumps(spec))
+    atomic_write(os.path.join(launch_dir, "spec.pkl"), pickle.dumps(spec), mode=0o600)
     if not serving:
         # No socket for the tasks (they send in-process); the hub still
         # introduces them, as long as the writing application runs.
@@ -379,19 +381,11 @@ def _agree(start: dict, launch_dir: str) -> TransferSpec | None:
         spec = session.wait()
     except Exception as e:
         log.info("the session over the code failed: %s", e)
-        body = json.dumps(error_record(e)).encode()
-        _write_atomically(os.path.join(launch_dir, "error.json"), body)
+        body = json.dumps(error_record(e))
+        atomic_write(os.path.join(launch_dir, "error.json"), body, mode=0o600)
         return None
     log.info("dataset transfer %s agreed: %d lanes", spec.transfer_id, spec.lanes)
     return spec
-
-
-def _write_atomically(path: str, data: bytes) -> None:
-    tmp = f"{path}.tmp"
-    fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o600)
-    with os.fdopen(fd, "wb") as f:
-        f.write(data)
-    os.replace(tmp, path)
 
 
 if __name__ == "__main__":

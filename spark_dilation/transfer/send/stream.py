@@ -18,6 +18,7 @@ from ..rules.errors import InjectedFailure, ProtocolError, SchemaMismatchError
 from ..rules.pqformat import FORMAT as PARQUET
 from ..rules.protocol import CommittedPartition, Complete, PartitionEncoder, PartitionHeader
 from ..rules.spec import TransferSpec
+from . import meter
 
 
 def conform(batch: pa.RecordBatch, schema: pa.Schema) -> pa.RecordBatch:
@@ -73,7 +74,7 @@ class PartitionStream:
         # compression=auto: the encoder is made at the first batch, when the
         # codec is chosen; ``link`` says what the connection carries (default:
         # what this process observed; a sender host's tasks ask the host).
-        self._link = link or (lambda: codec.current_link(spec.transfer_id))
+        self._link = link or (lambda: meter.current_link(spec.transfer_id))
         self.choice: codec.Choice | None = None
         self.encoder = PartitionEncoder(spec.schema, self._fixed_compression())
 
@@ -91,9 +92,9 @@ class PartitionStream:
         link = self._link()
         costs: tuple[codec.CpuCost, ...] = ()
         if first is not None and link.mb_per_s < codec.FAST_LINK_MB_S:  # fast: pay nothing
-            costs = codec.measure(first, spec.fingerprint, parquet=spec.parquet_ok)
+            costs = meter.measure(first, spec.fingerprint, parquet=spec.parquet_ok)
         self.choice = codec.choose(costs, link)
-        codec.note_choice(spec.transfer_id, self.partition, self.choice)
+        meter.note_choice(spec.transfer_id, self.partition, self.choice)
         self.encoder = PartitionEncoder(spec.schema, self.choice.encoder_compression())
 
     @property

@@ -22,13 +22,7 @@ from typing import Any
 import pyarrow as pa
 
 from ..rules.protocol import CommittedPartition
-from ..rules.report import (
-    ConnectionStats,
-    TransferReport,
-    merge_relay_fallbacks,
-    merge_stats,
-    with_choice,
-)
+from ..rules.report import ConnectionStats, TransferReport, with_choice
 from ..rules.spec import TransferSpec
 
 log = logging.getLogger(__name__)
@@ -57,7 +51,7 @@ def send(
             via_host = send_partition_via_host(spec, partition, attempt, batches)
         if via_host is not None:
             return via_host
-    from ..rules.codec import choice_of
+    from .meter import choice_of
     from .pool import pool, send_partition
 
     connections = pool()
@@ -88,21 +82,16 @@ def commit(
     if host_stats is not None:
         stats.append(host_stats)
     else:
-        from .pool import deliver_manifest
+        from .delivery import deliver_manifest
 
         _, control = deliver_manifest(spec, manifest.partitions)
-    connections, reconnects, path = merge_stats(stats)
-    return TransferReport(
-        rows=manifest.rows,
-        bytes=sum(c.bytes for c, _ in sent),
-        partitions=len(sent),
+    return TransferReport.of(
+        manifest.partitions,
+        stats,
         lanes=spec.lanes,
-        connections=connections + control,
-        reconnects=reconnects,
-        path=path,
-        seconds=round(time.time() - started, 3),
         compression=spec.compression,
-        relay_fallbacks=merge_relay_fallbacks(stats),
+        seconds=round(time.time() - started, 3),
+        control=control,
         compression_detail=_detail(spec, stats, len(sent)),
     )
 
@@ -117,8 +106,8 @@ def _detail(spec: TransferSpec, stats: list[ConnectionStats], partitions: int) -
 
 def abort(spec: TransferSpec, reason: str, timeout: float | None = None) -> None:
     """Tell every lane the transfer failed (best effort: the lanes' deadlines end them too)."""
+    from .delivery import ABORT_TIMEOUT
     from .hostlink import deliver_abort_via_host
-    from .pool import ABORT_TIMEOUT
 
     timeout = ABORT_TIMEOUT if timeout is None else timeout
     try:
@@ -126,6 +115,6 @@ def abort(spec: TransferSpec, reason: str, timeout: float | None = None) -> None
             return
     except Exception as e:  # best effort, like deliver_abort; try in-process
         log.warning("the sender host could not deliver the abort: %s", e)
-    from .pool import deliver_abort
+    from .delivery import deliver_abort
 
     deliver_abort(spec, reason, timeout=timeout)

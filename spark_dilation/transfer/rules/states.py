@@ -1,0 +1,197 @@
+"""The states of a lane, a sender task and a registry lane, as tables (pure, h11 style).
+
+Each machine is an enum of states, an enum of events and one table of
+``(state, event) -> next state``: every legal transition is a row, and
+:meth:`Table.next` is the one place a state changes. An event with no row
+for the current state raises :class:`IllegalTransition`, which names both.
+``docs/transfer.md`` shows the same tables; a test checks them against these.
+
+* :data:`LANE`: one lane's receiver (:class:`~..receive.lane.LaneReceiver`).
+* :data:`SENDER_TASK`: one partition attempt on the sending side
+  (:func:`~..send.pool.stream_partition`).
+* :data:`REGISTRY_LANE`: where a lane of a loaded dataset lives, in the
+  reading application's registry (:class:`~.registry.LaneRegistry`).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterator, Mapping
+from dataclasses import dataclass
+from enum import Enum
+from typing import Generic, TypeVar
+
+S = TypeVar("S", bound=Enum)
+E = TypeVar("E", bound=Enum)
+
+
+class IllegalTransition(RuntimeError):
+    """An event the machine's table has no row for in its current state (a bug)."""
+
+    def __init__(self, machine: str, state: Enum, event: Enum) -> None:
+        super().__init__(f"{machine}: event {event.name} is not allowed in state {state.name}")
+        self.machine, self.state, self.event = machine, state, event
+
+
+@dataclass(frozen=True)
+class Table(Generic[S, E]):
+    """One machine's transitions; :meth:`next` applies them."""
+
+    name: str
+    initial: S
+    rows: Mapping[tuple[S, E], S]
+    terminal: frozenset[S] = frozenset()
+
+    def next(self, state: S, event: E) -> S:
+        try:
+            return self.rows[(state, event)]
+        except KeyError:
+            raise IllegalTransition(self.name, state, event) from None
+
+    def allowed(self, state: S) -> list[E]:
+        return [e for (s, e) in self.rows if s == state]
+
+    def markdown(self) -> str:
+        """The table as docs/transfer.md shows it (one row per state)."""
+        lines = ["| state | event | next |", "|---|---|---|"]
+        events = {e for (_, e) in self.rows}
+        absorbing = {s for s in self.terminal if all(self.rows.get((s, e)) == s for e in events)}
+        for (state, event), target in self.rows.items():
+            if state not in absorbing:
+                lines.append(f"| {state.name} | {event.name} | {target.name} |")
+        lines += [f"| {state.name} | any | {state.name} |" for state in sorted(absorbing, key=str)]
+        return "\n".join(lines)
+
+    def __iter__(self) -> Iterator[tuple[S, E, S]]:
+        return ((s, e, t) for (s, e), t in self.rows.items())
+
+
+def _absorbing(states: frozenset[S], events: type[E]) -> dict[tuple[S, E], S]:
+    """Every event leaves a terminal state as it is (the first end wins)."""
+    return {(s, e): s for s in states for e in events}
+
+
+# --- a lane's receiver ---------------------------------------------------------------
+
+
+class Lane(Enum):
+    RECEIVING = "receiving"  # doors open, partition streams accepted
+    FAILING = "failing"  # a partition could not be staged: streams and manifest get "E"
+    STAGED = "staged"  # manifest + every partition staged; the receiver writes out
+    DONE = "done"
+    FAILED = "failed"
+
+
+class LaneEvent(Enum):
+    STAGING_FAILED = "staging failed"  # disk full, no permission (the first cause is kept)
+    ALL_STAGED = "all staged"  # an in-process receiver's lane, waiting in before_ok
+    COMPLETED = "completed"  # the lane ends with every partition (manifest answered)
+    ENDED = "ended"  # the lane ends with an error (abort, cannot heal, idle, own failure)
+
+
+LANE: Table[Lane, LaneEvent] = Table(
+    "lane",
+    Lane.RECEIVING,
+    {
+        (Lane.RECEIVING, LaneEvent.STAGING_FAILED): Lane.FAILING,
+        (Lane.RECEIVING, LaneEvent.ALL_STAGED): Lane.STAGED,
+        (Lane.RECEIVING, LaneEvent.COMPLETED): Lane.DONE,
+        (Lane.RECEIVING, LaneEvent.ENDED): Lane.FAILED,
+        (Lane.FAILING, LaneEvent.STAGING_FAILED): Lane.FAILING,
+        # Every partition staged after all (another attempt of the one that failed).
+        (Lane.FAILING, LaneEvent.COMPLETED): Lane.DONE,
+        (Lane.FAILING, LaneEvent.ENDED): Lane.FAILED,
+        # A late duplicate attempt that could not be staged: the lane has its rows.
+        (Lane.STAGED, LaneEvent.STAGING_FAILED): Lane.STAGED,
+        (Lane.STAGED, LaneEvent.ALL_STAGED): Lane.STAGED,  # a manifest delivered again
+        (Lane.STAGED, LaneEvent.COMPLETED): Lane.DONE,
+        (Lane.STAGED, LaneEvent.ENDED): Lane.FAILED,
+        **_absorbing(frozenset({Lane.DONE, Lane.FAILED}), LaneEvent),
+    },
+    frozenset({Lane.DONE, Lane.FAILED}),
+)
+
+
+# --- a sender task's partition attempt -------------------------------------------------
+
+
+class Task(Enum):
+    CONNECTING = "connecting"  # a connection to the lane (pooled, or a new meeting)
+    STREAMING = "streaming"  # header and data on the partition's subchannel
+    AWAITING_COMPLETE = "awaiting complete"  # trailer sent; the lane checks and renames
+    COMMITTED = "committed"  # "C": the task may succeed
+    FAILED = "failed"  # the lane drops the attempt (no trailer, or "E")
+
+
+class TaskEvent(Enum):
+    OPENED = "opened"  # the partition's subchannel is open
+    TRAILER_SENT = "trailer sent"
+    COMPLETE = "complete"  # the lane's "C"
+    FAILED = "failed"  # an error, "E", a deadline, the transfer's end
+
+
+SENDER_TASK: Table[Task, TaskEvent] = Table(
+    "sender task",
+    Task.CONNECTING,
+    {
+        (Task.CONNECTING, TaskEvent.OPENED): Task.STREAMING,
+        (Task.CONNECTING, TaskEvent.FAILED): Task.FAILED,
+        (Task.STREAMING, TaskEvent.TRAILER_SENT): Task.AWAITING_COMPLETE,
+        (Task.STREAMING, TaskEvent.FAILED): Task.FAILED,
+        (Task.AWAITING_COMPLETE, TaskEvent.COMPLETE): Task.COMMITTED,
+        (Task.AWAITING_COMPLETE, TaskEvent.FAILED): Task.FAILED,
+        # A committed partition stays committed: a later error is another attempt's.
+        (Task.FAILED, TaskEvent.FAILED): Task.FAILED,
+    },
+    frozenset({Task.COMMITTED, Task.FAILED}),
+)
+
+
+# --- a lane in the reading application's registry ---------------------------------------
+
+
+class Placed(Enum):
+    NONE = "none"  # nobody holds it: the next claim receives it
+    RECEIVING = "receiving"  # one host receives it from the sender; others follow it
+    DONE = "done"  # staged on one or more machines (replicas)
+    FAILED = "failed"  # the same error for every later read
+
+
+class PlacedEvent(Enum):
+    CLAIM = "claim"  # a host without the lane claims it (receive, follow, or fetch)
+    CLAIM_COMPLETE = "claim complete"  # a host that holds the finished lane claims it
+    DONE = "done"  # the receiver staged it
+    FAILED = "failed"  # the lane's own verdict (cannot heal, idle, its disk)
+    ABORTED = "aborted"  # the sender aborted the transfer: every lane ends
+    RECEIVER_GONE = "receiver gone"  # its receiver's link ended
+    LAST_REPLICA_GONE = "last replica gone"
+    HOSTING_GAVE_UP = "hosting gave up"  # the registry could not start a host for it
+
+
+REGISTRY_LANE: Table[Placed, PlacedEvent] = Table(
+    "registry lane",
+    Placed.NONE,
+    {
+        (Placed.NONE, PlacedEvent.CLAIM): Placed.RECEIVING,
+        (Placed.NONE, PlacedEvent.CLAIM_COMPLETE): Placed.DONE,
+        (Placed.NONE, PlacedEvent.DONE): Placed.DONE,  # a receiver's late word, after it left
+        (Placed.NONE, PlacedEvent.FAILED): Placed.FAILED,
+        (Placed.NONE, PlacedEvent.ABORTED): Placed.FAILED,
+        (Placed.NONE, PlacedEvent.HOSTING_GAVE_UP): Placed.FAILED,
+        (Placed.RECEIVING, PlacedEvent.CLAIM): Placed.RECEIVING,  # its receiver, or a follower
+        (Placed.RECEIVING, PlacedEvent.CLAIM_COMPLETE): Placed.DONE,
+        (Placed.RECEIVING, PlacedEvent.DONE): Placed.DONE,
+        (Placed.RECEIVING, PlacedEvent.FAILED): Placed.FAILED,
+        (Placed.RECEIVING, PlacedEvent.ABORTED): Placed.FAILED,
+        (Placed.RECEIVING, PlacedEvent.RECEIVER_GONE): Placed.NONE,
+        (Placed.DONE, PlacedEvent.CLAIM): Placed.DONE,  # fetch from a replica
+        (Placed.DONE, PlacedEvent.CLAIM_COMPLETE): Placed.DONE,
+        (Placed.DONE, PlacedEvent.DONE): Placed.DONE,
+        (Placed.DONE, PlacedEvent.FAILED): Placed.DONE,  # a fetcher's failure: copies remain
+        (Placed.DONE, PlacedEvent.ABORTED): Placed.FAILED,
+        (Placed.DONE, PlacedEvent.LAST_REPLICA_GONE): Placed.FAILED,
+        **_absorbing(frozenset({Placed.FAILED}), PlacedEvent),
+    },
+    frozenset({Placed.FAILED}),
+)
+
+TABLES: tuple[Table, ...] = (LANE, SENDER_TASK, REGISTRY_LANE)
