@@ -261,7 +261,7 @@ def _lane_helpers(nc: Any) -> list[str]:
                 cmd = Path(f"/proc/{pid}/cmdline").read_bytes().replace(b"\0", b" ").decode()
             except OSError:
                 continue
-            if any(f"spark_dilation.transfer.{name}" in cmd for name in HELPERS):
+            if "spark_dilation.transfer." in cmd and any(f".{name} " in cmd for name in HELPERS):
                 found.append(f"{m.name}:{pid}")
     return found
 

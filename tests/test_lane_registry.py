@@ -307,7 +307,7 @@ def test_any_machine_reads_any_lane_until_every_copy_is_gone(
         # their application by 30 s this way).
         from spark_dilation.transfer.machine import spawn, write_private
         from spark_dilation.transfer.receive.lanehost import ORPHAN_LINGER
-        from spark_dilation.transfer.receive.laneshare import REGISTRY_CONNECT
+        from spark_dilation.transfer.receive.registrylink import REGISTRY_CONNECT
 
         gone_task = subprocess.Popen(["true"])
         gone_task.wait()

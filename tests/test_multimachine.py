@@ -160,7 +160,7 @@ def _helpers(cluster: Cluster, *modules: str) -> list[str]:
                 cmd = Path(f"/proc/{pid}/cmdline").read_bytes().replace(b"\0", b" ").decode()
             except OSError:
                 continue
-            if any(f"spark_dilation.transfer.{name}" in cmd for name in modules):
+            if "spark_dilation.transfer." in cmd and any(f".{name} " in cmd for name in modules):
                 found.append(f"{m.name}:{pid}")
     return found
 

@@ -17,6 +17,7 @@ from __future__ import annotations
 import contextlib
 import os
 import pickle
+import socket
 import subprocess
 import sys
 import threading
@@ -276,3 +277,10 @@ def space_refusal(nbytes: int | None, places: list[Path]) -> str | None:
 
 def _mb(n: int) -> str:
     return f"{n / 1e6:.1f} MB"
+
+
+MACHINE_ENV = "SPARK_DILATION_MACHINE"  # a name for this machine in messages (else hostname)
+
+
+def machine_name() -> str:
+    return os.environ.get(MACHINE_ENV) or socket.gethostname()

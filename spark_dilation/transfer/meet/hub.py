@@ -121,7 +121,7 @@ class SenderHub:
 
     def tell_abort(self, abort: Abort) -> None:
         """Tell the reading end the transfer is over, through the mailbox: ahead of the
-        data queued on the connections. It answers ``end`` once its lanes ended."""
+        data queued on the connections. It answers ``end`` as it ends its lanes."""
         with self._lock:
             self._abort.update(abort_message(abort.reason, abort.cancelled))
             half = self._half()

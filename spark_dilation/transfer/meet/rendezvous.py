@@ -306,11 +306,12 @@ def heard_abort(
     answer: Callable[[dict[str, Any]], None],
 ) -> None:
     """The ``other`` end's abort came through the directory link (either end's half):
-    end our part of the transfer, then answer ``end`` so that it stops waiting."""
+    answer ``end`` (we heard it: the other end need wait no longer), then end our part
+    of the transfer."""
     abort = Abort.from_body(body)
     log.info("transfer %s: %s (directory link)", spec.transfer_id, abort.text(other))
-    on_abort(abort)
     answer(end_message(abort.text(other)))
+    on_abort(abort)
 
 
 def _wait_ended(cond: threading.Condition, state: DirectoryState, deadline: float) -> str:

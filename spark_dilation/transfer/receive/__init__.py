@@ -6,7 +6,8 @@ application's lifetime and ``start_lanes`` lets lanes stage while Spark
 plans. In a read task, ``read_lane`` emits one lane's rows. Under them: the
 lane (:mod:`.lane`), its staging (:mod:`.staging`), the read task's side
 (:mod:`.laneread`), the lane host (:mod:`.lanehost`), the registry host
-(:mod:`.registryhost`) and copies between machines (:mod:`.laneshare`).
+(:mod:`.registryhost`), a lane host's link to it (:mod:`.registrylink`) and
+copies between machines (:mod:`.laneshare`).
 Names load on first use: a read task imports no more than it runs.
 """
 

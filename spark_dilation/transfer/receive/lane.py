@@ -52,6 +52,7 @@ from ...dilation.manager import DilationNoPath, DilationReconnectFailed
 from ...errors import DilationError, TransferError
 from ..meet.rendezvous import Paired, RendezvousCancelled, dilate_paired, meet, sender_set
 from ..rules.directory import Door, LaneDoors
+from ..rules.endwait import EndWait
 from ..rules.errors import (
     CannotHealError,
     LaneIdleError,
@@ -283,41 +284,40 @@ class LaneReceiver:
         with self._cond:
             self.book.aborted = abort.text("receiver")
             conns = list(self._connections)
-        deadline = time.monotonic() + timeout
-        sent = threading.Event()
-        confirmed = threading.Event()
+        # The stop rule is rules/endwait.py; here, what happens and when.
+        wait = EndWait(time.monotonic() + timeout, flush, other_way=heard is not None)
+        changed = threading.Condition()
 
         def tell(conn: Any) -> None:
-            nonlocal deadline
             try:
                 with conn.open(CONTROL_SUBPROTOCOL, timeout=timeout) as channel:
                     channel.send(abort.encode(), timeout=timeout)
-                    if flush is not None and not sent.is_set():
-                        deadline = min(deadline, time.monotonic() + flush)
-                    sent.set()
-                    reply = channel.receive(timeout=max(0.1, deadline - time.monotonic()))
+                    with changed:
+                        wait.on_sent(time.monotonic())
+                        left = wait.deadline - time.monotonic()
+                    reply = channel.receive(timeout=max(0.1, left))
                 if reply is not None and decode_message(reply)[0] == TAG_OK:
-                    confirmed.set()
+                    with changed:
+                        wait.on_confirmed()
+                        changed.notify_all()
             except (DilationError, OSError) as e:  # gone, or a sender that does not listen
                 log.info("lane %d: no confirmation from a sender of the end: %s", self.lane, e)
 
         threads = [threading.Thread(target=tell, args=(c,), daemon=True) for c in conns]
         for t in threads:
             t.start()
-        # One confirmation is enough: the sender ends the whole transfer.
-        elsewhere = heard or threading.Event()
-        while not confirmed.is_set() and not elsewhere.is_set():
-            if not any(t.is_alive() for t in threads):
-                # Nothing more on our connections: give the other way a moment.
-                deadline = min(deadline, time.monotonic() + (1.0 if heard else 0.0))
-            if time.monotonic() >= deadline:
-                break
-            confirmed.wait(0.05)
-        if elsewhere.is_set():
-            self._finish(error, linger=0)
-            return "confirmed"
-        self._finish(error)
-        return "confirmed" if confirmed.is_set() else "sent" if sent.is_set() else ""
+        with changed:
+            while True:
+                now = time.monotonic()
+                if heard is not None and heard.is_set():
+                    wait.on_heard()
+                if not any(t.is_alive() for t in threads):
+                    wait.on_tellers_done(now)
+                if wait.over(now):
+                    break
+                changed.wait(0.05)
+        self._finish(error, linger=2.0 if wait.linger else 0)
+        return wait.outcome
 
     def sender_ended(self, abort: Abort, linger: float = 2.0) -> None:
         """The sending side ended the transfer (``A`` on a connection, or through the

@@ -82,7 +82,8 @@ class RegisteredLane:
         self.aborted: Abort | None = None
 
     def run(self) -> int:
-        from .laneshare import LaneServer, RegistryLink
+        from .laneshare import LaneServer
+        from .registrylink import RegistryLink
 
         fd = take_lane_lock(self.staging)
         if fd is None:

@@ -30,8 +30,8 @@ It is also the reading end of the transfer's directory
 rises each time a new host receives the lane) to the writing end, and passes
 every sender id the writing end issues on to the lane hosts, which open a
 door for each (:mod:`..rules.directory`). The writing end's abort on that link is
-passed to every lane host, each of which ends its lane at once; the reading
-end then answers ``end`` (ahead of the data queued on the connections).
+answered ``end`` at once (ahead of the data queued on the connections) and
+passed to every lane host, each of which ends its lane at once.
 """
 
 from __future__ import annotations

@@ -49,7 +49,7 @@ Lane side, per (lane host of epoch e, sender s)::
 The end of a transfer also travels here: a writing end that aborts adds
 ``abort`` to its half (:func:`abort_message`), which reaches the reading end
 through the mailbox, ahead of the megabytes queued on the data connections;
-a reading end that ended its lanes on it answers ``end`` (:func:`end_message`).
+a reading end that hears it answers ``end`` (:func:`end_message`) and ends its lanes.
 A reading end that does not know ``abort`` ignores it (unknown keys are
 ignored), so the writing end's in-band abort still decides.
 """
