@@ -5,7 +5,8 @@
 - A file named ``*host.py`` is a helper process (``python -m ...``), and nothing else
   under ``transfer/`` is.
 - ``spark/`` reaches the transfer through two doors: ``send`` and ``receive`` (and the
-  shared vocabulary in ``rules``).
+  shared vocabulary in ``rules``, and ``machine`` for this machine's processes).
+- Nothing under ``transfer/`` imports ``spark/`` (it installs and runs without Spark).
 - No module imports another module's private names.
 """
 
@@ -109,11 +110,21 @@ def test_spark_uses_the_two_doors() -> None:
             if target == TRANSFER:
                 target = f"{TRANSFER}.{name}"
             if target.startswith(TRANSFER) and not (
-                target in (f"{TRANSFER}.send", f"{TRANSFER}.receive")
+                target in (f"{TRANSFER}.send", f"{TRANSFER}.receive", f"{TRANSFER}.machine")
                 or target.startswith(f"{TRANSFER}.rules.")
             ):
                 problems.append((path.name, target))
     assert problems == [], doors
+
+
+def test_the_transfer_does_not_import_the_spark_layer() -> None:
+    problems = [
+        (path.name, target)
+        for path in _sources("transfer")
+        for target in _targets(path)
+        if target.startswith(("spark_dilation.spark", "pyspark"))
+    ]
+    assert problems == [("laneread.py", "pyspark")]  # TaskContext's attempt, if in a task
 
 
 def test_no_module_imports_private_names_of_another() -> None:

@@ -9,20 +9,9 @@ machine; anything else, or no answer, is "not known to be local".
 
 from __future__ import annotations
 
-import os
 from pathlib import Path
 
-_MAX_DEPTH = 8
-
-
-def _parent_and_comm(pid: int) -> tuple[int, str] | None:
-    try:
-        raw = Path(f"/proc/{pid}/stat").read_text()
-    except OSError:
-        return None
-    comm = raw[raw.index("(") + 1 : raw.rindex(")")]
-    fields = raw[raw.rindex(")") + 2 :].split()
-    return int(fields[1]), comm
+from ..transfer.machine import driver_jvm_pid
 
 
 def _cmdline(pid: int) -> list[str]:
@@ -54,22 +43,6 @@ def driver_master(pid: int | None = None) -> str | None:
     """The master of the nearest ancestor JVM of ``pid`` (default: this process)."""
     jvm = driver_jvm_pid(pid)
     return None if jvm is None else master_from_cmdline(_cmdline(jvm))
-
-
-def driver_jvm_pid(pid: int | None = None) -> int | None:
-    """The pid of the nearest ancestor JVM of ``pid`` (default: this process), if any."""
-    pid = os.getpid() if pid is None else pid
-    for _ in range(_MAX_DEPTH):
-        info = _parent_and_comm(pid)
-        if info is None:
-            return None
-        parent, comm = info
-        if comm == "java":
-            return pid
-        if parent <= 1:
-            return None
-        pid = parent
-    return None
 
 
 def tasks_run_here() -> bool:

@@ -49,8 +49,6 @@ def alive(pid: int) -> bool:
 
 def owner_pid() -> int | None:
     """The driver JVM above this process, else its parent (None if that is init)."""
-    from ..spark.locality import driver_jvm_pid
-
     jvm = driver_jvm_pid()
     if jvm is not None:
         return jvm
@@ -284,3 +282,32 @@ MACHINE_ENV = "SPARK_DILATION_MACHINE"  # a name for this machine in messages (e
 
 def machine_name() -> str:
     return os.environ.get(MACHINE_ENV) or socket.gethostname()
+
+
+_MAX_DEPTH = 8
+
+
+def _parent_and_comm(pid: int) -> tuple[int, str] | None:
+    try:
+        raw = Path(f"/proc/{pid}/stat").read_text()
+    except OSError:
+        return None
+    comm = raw[raw.index("(") + 1 : raw.rindex(")")]
+    fields = raw[raw.rindex(")") + 2 :].split()
+    return int(fields[1]), comm
+
+
+def driver_jvm_pid(pid: int | None = None) -> int | None:
+    """The pid of the nearest ancestor JVM of ``pid`` (default: this process), if any."""
+    pid = os.getpid() if pid is None else pid
+    for _ in range(_MAX_DEPTH):
+        info = _parent_and_comm(pid)
+        if info is None:
+            return None
+        parent, comm = info
+        if comm == "java":
+            return pid
+        if parent <= 1:
+            return None
+        pid = parent
+    return None

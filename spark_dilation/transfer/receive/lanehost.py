@@ -26,7 +26,7 @@ import time
 from typing import Any
 
 from ...errors import TransferError
-from ..machine import read_private
+from ..machine import atomic_write, read_private
 from ..rules.protocol import Abort
 from ..rules.spec import TransferSpec
 from .lane import LaneReceiver
@@ -88,7 +88,7 @@ class RegisteredLane:
         fd = take_lane_lock(self.staging)
         if fd is None:
             return 0  # another host holds the lane on this machine
-        (self.staging.dir / "host.pid").write_text(str(os.getpid()))
+        atomic_write(self.staging.dir / "host.pid", str(os.getpid()))
         try:
             registry = RegistryLink(self.spec, self._application_ended)
             registry.on_abort = self._writer_aborted

@@ -45,7 +45,7 @@ import pyarrow as pa
 
 from ...errors import TransferError
 from ..link import FrameTooLarge, LocalLink
-from ..machine import alive, private_dir, spawn, wait_ready, write_private
+from ..machine import alive, atomic_write, private_dir, spawn, wait_ready, write_private
 from ..rules import codec
 from ..rules.errors import LaneLostError, LinkError, ProtocolError, rebuild_error
 from ..rules.protocol import CommittedPartition, Complete
@@ -95,7 +95,7 @@ def start_sender_host(spec: TransferSpec) -> bool:
         return True
     proc = _spawn(directory, "--spec", write_private(directory, spec))
     # Now, so that the tasks arriving meanwhile wait for its socket (_connect).
-    (directory / "host.pid").write_text(str(proc.pid))
+    atomic_write(directory / "host.pid", str(proc.pid))
     return True
 
 

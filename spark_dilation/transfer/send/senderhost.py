@@ -318,7 +318,7 @@ def main(argv: list[str] | None = None) -> int:
         spec = start
         if not _lock_host_dir(spec):
             return 0
-        (host_dir(spec) / "host.pid").write_text(str(os.getpid()))
+        atomic_write(host_dir(spec) / "host.pid", str(os.getpid()))
         return SenderHost(spec, owner, abort_on_exit=False).run()
     launch_dir = os.path.dirname(start_path)
     spec = _agree(start, launch_dir)
@@ -341,7 +341,7 @@ def _serve_agreed(spec: TransferSpec, owner: int | None, launch_dir: str) -> int
         # Before the spec is handed over: a task that finds this pid waits for the socket.
         directory = private_dir(host_dir(spec))
         _lock_host_dir(spec)
-        (directory / "host.pid").write_text(str(os.getpid()))
+        atomic_write(directory / "host.pid", str(os.getpid()))
         with contextlib.suppress(OSError):
             (directory / "host.log").symlink_to(os.path.join(launch_dir, "host.log"))
     atomic_write(os.path.join(launch_dir, "spec.pkl"), pickle.dumps(spec), mode=0o600)
