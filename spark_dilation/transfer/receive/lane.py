@@ -40,6 +40,7 @@ import struct
 import threading
 import time
 import uuid
+import weakref
 from collections.abc import Callable
 from typing import Any, Protocol
 
@@ -178,6 +179,7 @@ class LaneReceiver:
         # Why the last sender connection ended, when Dilation gave up on it
         # (down for reconnect_timeout); a clean close leaves it None.
         self.gave_up: BaseException | None = None
+        self._reached: weakref.WeakSet[Any] = weakref.WeakSet()  # connections that carried one
         for partition in staging.complete():
             # Staged by an earlier incarnation on this machine: still good.
             self.book.completed(partition, -1, rows_of(staging.complete_path(partition)))
@@ -514,7 +516,10 @@ class LaneReceiver:
                     if ours:
                         self._connections.remove(conn)
                         clean = isinstance(e, DilationClosed | SubchannelClosed)
-                        self.gave_up = None if clean else e
+                        # A connection that never carried a stream (its sender died while
+                        # it was connecting) does not hide why one that did ended.
+                        if conn in self._reached or self.gave_up is None:
+                            self.gave_up = None if clean else e
                         # Keep what it did for the report and the progress lines.
                         with contextlib.suppress(Exception):
                             status = conn.status()
@@ -529,6 +534,8 @@ class LaneReceiver:
                     self._finish(e)
                 return
             self._ever_up = True  # a subchannel came: this lane was reached
+            with self._cond:
+                self._reached.add(conn)
             threading.Thread(target=self._guard, args=(handler, channel), daemon=True).start()
 
     def _guard(self, handler: Any, channel: Any) -> None:
