@@ -46,7 +46,7 @@ from spark_dilation.testing.stepped_writer import SteppedWriter
 from spark_dilation.testing.waiting import wait_until
 from spark_dilation.transfer import TransferOptions
 from spark_dilation.transfer.api import DatasetSender
-from spark_dilation.transfer.send.delivery import ABORT_TIMEOUT
+from spark_dilation.transfer.rules.protocol import ABORT_TIMEOUT
 
 pytestmark = [
     pytest.mark.timeout(900),  # 8 rounds of a Spark application's start on a loaded machine

@@ -18,15 +18,12 @@ from ..receive.lane import LaneReceiver, LocalCauses, lane_receiver
 from ..receive.staging import read_staged
 from ..rules.errors import OutputError
 from ..rules.options import RECEIVE_FORMATS, TransferOptions, merge_options
-from ..rules.protocol import Abort, Manifest
+from ..rules.protocol import ABORT_TIMEOUT, Abort, Manifest
 from ..rules.report import ConnectionStats, TransferReport
 from ..rules.spec import TransferSpec
 from .output import dest_problem, format_refusal, write_files
 from .progress import PROGRESS_INTERVAL, ProgressCallback, ReceiveMeter, Ticker
 
-# Telling the sender of a cancel: a round trip on the directory link and on each
-# lane's live connection (after the data queued on it: instant on a fast link).
-CANCEL_TELL_TIMEOUT = 10.0
 ANSWER_WAIT = 10.0  # seconds a lane gets to send the manifest's answer before it is stopped
 
 
@@ -119,15 +116,13 @@ def _tell_sender(receivers: list[Any], reading: ReadingEnd, cause: str) -> str:
     the data queued toward us) and through every lane's connections; then stop."""
     abort = Abort(cause, cancelled=True)
     error = Interrupted(cause)
-    deadline = time.monotonic() + CANCEL_TELL_TIMEOUT
+    deadline = time.monotonic() + ABORT_TIMEOUT
     heard = threading.Event()  # the writing end answered "end" on the directory link
     tell_end(reading.tell_abort, reading.wait_ended, abort, deadline, heard)
     outcomes: list[str] = []
     threads = [
         threading.Thread(
-            target=lambda r=r: outcomes.append(
-                r.end_transfer(abort, error, CANCEL_TELL_TIMEOUT, heard)
-            ),
+            target=lambda r=r: outcomes.append(r.end_transfer(abort, error, ABORT_TIMEOUT, heard)),
             daemon=True,
         )
         for r in receivers
@@ -135,7 +130,7 @@ def _tell_sender(receivers: list[Any], reading: ReadingEnd, cause: str) -> str:
     for t in threads:
         t.start()
     for t in threads:
-        t.join(CANCEL_TELL_TIMEOUT + 1)
+        t.join(ABORT_TIMEOUT + 1)
     # Each lane stops in a thread of its own (end_transfer): closing a wormhole
     # whose peer is busy or gone can take seconds, and we have nothing to wait for.
     if "confirmed" in outcomes:

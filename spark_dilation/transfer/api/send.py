@@ -18,7 +18,7 @@ from ..meet.session import SenderSession
 from ..rules import codec
 from ..rules.errors import TransferAbortedError
 from ..rules.options import TransferOptions, merge_options
-from ..rules.protocol import CommittedPartition
+from ..rules.protocol import ABORT_TIMEOUT, CommittedPartition
 from ..rules.report import TransferReport
 from ..rules.spec import TransferSpec
 from ..send import meter
@@ -29,9 +29,6 @@ from .sources import Source, as_dataset, partitions_of, total_bytes, total_rows
 
 log = logging.getLogger(__name__)
 
-# Telling the receiver of a cancel: a round trip on a live connection, after
-# the data already queued on it (up to about 12 MiB: instant on a fast link).
-CANCEL_TELL_TIMEOUT = 10.0
 CANCEL_LINGER = 5.0  # for our answer to the receiver's end to get through
 DIRECTORY_ANSWER_WAIT = 0.5  # s: the receiver's end through the mailbox, if in-band came first
 MAX_ATTEMPTS = 3
@@ -202,7 +199,7 @@ class DatasetSender:
             cause = interrupt_cause(error) if interrupted else self._cause
             connections.fail(tid, self._cancelled_error())  # Ctrl-C: stop what still runs
             told = deliver_abort(
-                spec, cause, CANCEL_TELL_TIMEOUT, connections, cancelled=True, reached_only=True
+                spec, cause, ABORT_TIMEOUT, connections, cancelled=True, reached_only=True
             )
             outcome = "the receiver was told" if told else "the receiver could not be told"
             if interrupted:

@@ -86,8 +86,8 @@ class SenderHub:
         on_abort: Callable[[Abort], None] | None = None,
     ) -> None:
         self.spec = spec
-        # The reading end's abort through the directory: ``on_abort`` ends the sending
-        # here, then this end answers ``end``. Without it, the in-band abort decides.
+        # The reading end's abort through the directory: this end answers ``end``, then
+        # ``on_abort`` ends the sending here. Without it, the in-band abort decides.
         self._on_abort = on_abort
         self.answered = threading.Event()  # we answered the reading end's abort with "end"
         self._lock = threading.Lock()

@@ -87,7 +87,7 @@ from ..rules.protocol import (
     failure_answer,
     ipc_rows,
 )
-from ..rules.report import path_of, reconnects_of, tally
+from ..rules.report import tally
 from ..rules.spec import TransferSpec
 from ..rules.states import LANE, Lane, LaneEvent
 from .staging import LaneStaging, rows_of, staging_error, take_lane_lock
@@ -237,10 +237,7 @@ class LaneReceiver:
                 self._connections.clear()
                 self._cond.notify_all()
             for conn in conns:
-                with contextlib.suppress(Exception):
-                    status = conn.status()
-                    self.paths.append(path_of(status.connection))
-                    self.reconnects += reconnects_of(status)
+                self._keep_what_it_did(conn)
                 with contextlib.suppress(Exception):
                     conn.close(timeout=10, linger=linger)
             self._senders.unsubscribe(self._learn)
@@ -351,6 +348,15 @@ class LaneReceiver:
         with self._cond:
             rows = self._kept_rows + sum(r for r, _ in self._arriving.values())
             return rows, self._kept_bytes + sum(b for _, b in self._arriving.values())
+
+    def _keep_what_it_did(self, conn: Any) -> None:
+        """A connection that ends: keep its path and reconnects for the report and the
+        progress lines (:meth:`live_stats` counts the live ones)."""
+        with contextlib.suppress(Exception):
+            seen = tally([conn.status()])
+            with self._cond:
+                self.paths += seen.paths
+                self.reconnects += seen.reconnects
 
     def live_stats(self) -> tuple[int, int, list[str], int, int]:
         """(connections made, reconnects, paths, reconnecting now, connecting now)."""
@@ -520,11 +526,7 @@ class LaneReceiver:
                         # it was connecting) does not hide why one that did ended.
                         if conn in self._reached or self.gave_up is None:
                             self.gave_up = None if clean else e
-                        # Keep what it did for the report and the progress lines.
-                        with contextlib.suppress(Exception):
-                            status = conn.status()
-                            self.paths.append(path_of(status.connection))
-                            self.reconnects += reconnects_of(status)
+                        self._keep_what_it_did(conn)
                 if isinstance(e, DilationNoPath) and not self._ever_up:
                     # No sender ever reached this lane and this one found no
                     # path at all: waiting for idle_timeout would help nobody.

@@ -299,6 +299,11 @@ def decode_message(message: bytes) -> tuple[bytes, Any]:
     return tag, body
 
 
+ABORT_TIMEOUT = 10.0
+"""Seconds a side that ends the transfer tries to tell the other (its ``A``, and the
+directory link): a round trip after the data already queued, instant on a fast link."""
+
+
 @dataclass(frozen=True)
 class Abort:
     """``A``: one side ended the whole transfer; the other side stops at once.

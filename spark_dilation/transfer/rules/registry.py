@@ -222,9 +222,7 @@ class LaneRegistry:
     def failed(self, lane: int, host: HostInfo, error: dict[str, str]) -> None:
         """The lane's own verdict (the sender's abort, cannot heal, idle): final."""
         entry = self._entry(lane)
-        if entry.state == FAILED:
-            entry.error = error  # the latest verdict (the cause wins below)
-        elif _move(entry, PlacedEvent.FAILED) == DONE:
+        if _move(entry, PlacedEvent.FAILED) == DONE:
             return  # a fetcher's failure; the lane still has its copies
         entry.receiver, entry.error = None, error
         if error.get("type") == "TransferAbortedError":

@@ -20,6 +20,7 @@ from ..rules.errors import (
     LaneLostError,
 )
 from ..rules.protocol import (
+    ABORT_TIMEOUT,
     CONTROL_SUBPROTOCOL,
     TAG_ABORT,
     TAG_OK,
@@ -137,9 +138,6 @@ def deliver_manifest(
         spec, manifest.encode(), timeout=spec.options.lane_start_timeout, connections=connections
     )
     return manifest, opened
-
-
-ABORT_TIMEOUT = 10.0  # s: how long the sending side tries to tell live lanes (docs/transfer.md)
 
 
 def deliver_abort(

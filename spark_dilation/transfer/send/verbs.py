@@ -21,7 +21,7 @@ from typing import Any
 
 import pyarrow as pa
 
-from ..rules.protocol import CommittedPartition
+from ..rules.protocol import ABORT_TIMEOUT, CommittedPartition
 from ..rules.report import ConnectionStats, TransferReport, with_choice
 from ..rules.spec import TransferSpec
 
@@ -106,7 +106,6 @@ def _detail(spec: TransferSpec, stats: list[ConnectionStats], partitions: int) -
 
 def abort(spec: TransferSpec, reason: str, timeout: float | None = None) -> None:
     """Tell every lane the transfer failed (best effort: the lanes' deadlines end them too)."""
-    from .delivery import ABORT_TIMEOUT
     from .hostlink import deliver_abort_via_host
 
     timeout = ABORT_TIMEOUT if timeout is None else timeout
