@@ -174,6 +174,44 @@ def test_a_live_host_keeps_the_lane(tmp_path: Path) -> None:
     os.close(held)
 
 
+def test_a_host_whose_lane_failed_at_once_still_holds_the_lane(
+    tmp_path: Path, monkeypatch: Any
+) -> None:
+    """A lane host holds the lane's lock for as long as it lives, whatever its lane
+    did. A lane that failed at once (a full staging disk) once let go with its
+    receiver, and the read task waiting for the host to take the lock saw a live
+    process that never did, until its 60 s wait ran out (a clean-clone run)."""
+    from spark_dilation.transfer.receive import lanehost
+
+    staging = LaneStaging(tmp_path, "ab" * 16, 0)
+    fd = take_lane_lock(staging)
+    assert fd is not None
+
+    class FailsAtOnce:  # LaneReceiver's part here: it closes the descriptor it is given
+        def __init__(self, spec: Any, lane: int, staging: Any, lock_fd: int, **_: Any) -> None:
+            self.lock_fd = lock_fd
+
+        def start(self) -> None: ...
+
+        def wait_finished(self) -> BaseException:
+            return StagingError("lane 0: could not stage partition 0: No space left on device")
+
+        def stop(self, linger: float) -> None:
+            os.close(self.lock_fd)
+
+    class Registry:
+        def claim(self, lane: int, host: Any, complete: bool) -> dict[str, Any]:
+            return {"do": "receive", "epoch": 0}
+
+    monkeypatch.setattr(lanehost, "LaneReceiver", FailsAtOnce)
+    host = lanehost.RegisteredLane(None, 0, staging, launcher=os.getpid())  # type: ignore[arg-type]
+    error = host._obtain(Registry(), server=type("Server", (), {"host": None}), fd=fd)
+    assert "could not stage partition" in str(error)
+    assert host_alive(staging), "the host let go of its lane when the lane failed"
+    os.close(fd)
+    assert not host_alive(staging)
+
+
 def test_the_probe_does_not_take_the_lock(tmp_path: Path, monkeypatch: Any) -> None:
     """host_alive() reads /proc/locks instead of taking the lock: however a host's start
     and a read task's probe interleave, the host takes the lane at its first try."""

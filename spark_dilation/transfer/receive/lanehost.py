@@ -106,7 +106,10 @@ class RegisteredLane:
         if error is not None:
             from ..rules.errors import error_record
 
-            write_host_error(self.staging, error)
+            try:
+                write_host_error(self.staging, error)
+            except OSError as e:  # a full disk, often the error itself: the registry hears it
+                log.warning("lane %d: could not keep its error: %s", self.lane, e)
             registry.report({"failed": self.lane, "error": error_record(error)})
         else:
             done: dict[str, Any] = {"done": self.lane}
@@ -148,8 +151,12 @@ class RegisteredLane:
                 return rebuild_error(answer["error"])
             if action == "receive":
                 epoch = int(answer.get("epoch", 0))
+                # A copy of the lock's descriptor: the receiver closes its own when the
+                # lane ends, and this host keeps the lock for as long as it lives. A lane
+                # that failed at once (a full disk) and let go would look, to the read
+                # task waiting for its host, like a host that never started.
                 receiver = LaneReceiver(
-                    self.spec, self.lane, self.staging, fd, epoch=epoch, causes=registry
+                    self.spec, self.lane, self.staging, os.dup(fd), epoch=epoch, causes=registry
                 )
                 with self._lock:
                     self.receiver, aborted = receiver, self.aborted
