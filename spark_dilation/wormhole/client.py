@@ -223,18 +223,7 @@ class Wormhole:
         self._nameplate_lists = _Queue(reactor)
         self.on_dilate_record: Callable[[bytes], None] | None = None
 
-        endpoint = _endpoint_for(reactor, mailbox_url)  # validates the URL first
-        factory = WebSocketClientFactory(mailbox_url)
-        factory.protocol = _MailboxProtocol
-        factory.wormhole = self
-        factory.setProtocolOptions(autoPingInterval=30, autoPingTimeout=60, openHandshakeTimeout=30)
-        self._service = ClientService(
-            endpoint,
-            factory,
-            retryPolicy=retry_policy or backoffPolicy(initialDelay=0.2, maxDelay=5.0, factor=2.0),
-            clock=reactor,
-        )
-        self._service.startService()
+        self._service = mailbox_service(reactor, mailbox_url, self, retry_policy)
         first = self._service.whenConnected(failAfterFailures=1)
         first.addErrback(self._first_connection_failed)
 
@@ -395,7 +384,7 @@ class Wormhole:
 
     def _first_connection_failed(self, failure: Failure) -> None:
         if not self._stopping:
-            self._abort(ServerConnectionError(self._url, _describe(failure)))
+            self._abort(ServerConnectionError(self._url, describe_failure(failure)))
 
     # --- plumbing ----------------------------------------------------------------
 
@@ -517,6 +506,27 @@ class Wormhole:
             raise error
 
 
+def mailbox_service(
+    reactor: Any, url: str, owner: Any, retry_policy: Callable[[int], float] | None = None
+) -> ClientService:
+    """A started WebSocket service to the mailbox server at ``url`` that reconnects with
+    backoff. ``owner`` gets ``_ws_open(proto)``, ``_ws_frame(payload)`` and
+    ``_ws_closed(proto, reason)``; it stops the service when done."""
+    endpoint = _endpoint_for(reactor, url)  # validates the URL first
+    factory = WebSocketClientFactory(url)
+    factory.protocol = _MailboxProtocol
+    factory.wormhole = owner
+    factory.setProtocolOptions(autoPingInterval=30, autoPingTimeout=60, openHandshakeTimeout=30)
+    service = ClientService(
+        endpoint,
+        factory,
+        retryPolicy=retry_policy or backoffPolicy(initialDelay=0.2, maxDelay=5.0, factor=2.0),
+        clock=reactor,
+    )
+    service.startService()
+    return service
+
+
 def _endpoint_for(reactor: Any, url: str) -> Any:
     parsed = urlparse(url)
     if parsed.scheme not in ("ws", "wss") or not parsed.hostname:
@@ -528,7 +538,7 @@ def _endpoint_for(reactor: Any, url: str) -> Any:
     return endpoints.HostnameEndpoint(reactor, parsed.hostname, port)
 
 
-def _describe(failure: Failure) -> str:
+def describe_failure(failure: Failure) -> str:
     value = failure.value
     text = str(value).strip() or type(value).__name__
     return text.splitlines()[0].rstrip(".")

@@ -197,7 +197,7 @@ def _mood_for(error: WormholeError | None, verified: bool) -> str:
     return "errory"
 
 
-class _Ordered:
+class InOrder:
     """Deliver numbered items in order, buffering gaps."""
 
     def __init__(self) -> None:
@@ -263,8 +263,8 @@ class WormholeCore:
         self._unsent_app: list[tuple[str, bytes]] = []  # waits for key confirmation
         self._next_app_phase = 0
         self._next_dilate_phase = 0
-        self._app_in = _Ordered()
-        self._dilate_in = _Ordered()
+        self._app_in = InOrder()
+        self._dilate_in = InOrder()
         self._welcomed = False
 
         self.closing = False

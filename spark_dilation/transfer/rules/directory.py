@@ -67,7 +67,8 @@ END = "end"
 ABORT = "abort"
 
 
-def _code(secret: bytes, info: str) -> str:
+def derived_code(secret: bytes, info: str) -> str:
+    """``NAMEPLATE-PASSWORD`` derived from ``secret`` for ``info`` (the table in docs §2)."""
     from ...wormhole.keys import derive_key  # lazy: task workers encode without SPAKE2/HKDF
 
     raw = info.encode()
@@ -79,7 +80,7 @@ def _code(secret: bytes, info: str) -> str:
 
 def directory_code(secret: bytes) -> str:
     """The code of the directory link: claimed by the reading end and the writing end only."""
-    return _code(secret, "spark-dilation directory v2")
+    return derived_code(secret, "spark-dilation directory v2")
 
 
 def door_code(secret: bytes, lane: int, epoch: int, sender: int, attempt: int) -> str:
@@ -90,7 +91,7 @@ def door_code(secret: bytes, lane: int, epoch: int, sender: int, attempt: int) -
     """
     if min(lane, epoch, sender, attempt) < 0:
         raise ValueError("lane, epoch, sender and attempt are non-negative")
-    return _code(secret, f"spark-dilation door lane {lane} epoch {epoch} sender {sender} "
+    return derived_code(secret, f"spark-dilation door lane {lane} epoch {epoch} sender {sender} "
                          f"attempt {attempt}")  # fmt: skip
 
 

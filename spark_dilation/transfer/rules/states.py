@@ -11,6 +11,10 @@ for the current state raises :class:`IllegalTransition`, which names both.
   (:func:`~..send.pool.stream_partition`).
 * :data:`REGISTRY_LANE`: where a lane of a loaded dataset lives, in the
   reading application's registry (:class:`~.registry.LaneRegistry`).
+* :data:`STREAM_MEETING`: one run of a stream's side on its standing mailbox
+  (:class:`~.pairing.Meeting`).
+* :data:`BATCH`: one micro-batch of a stream on the receiving side
+  (:class:`~.ledger.ReceiverLedger`).
 """
 
 from __future__ import annotations
@@ -194,4 +198,64 @@ REGISTRY_LANE: Table[Placed, PlacedEvent] = Table(
     frozenset({Placed.FAILED}),
 )
 
-TABLES: tuple[Table, ...] = (LANE, SENDER_TASK, REGISTRY_LANE)
+
+# --- one run of a stream's side on its standing mailbox ---------------------------------
+
+
+class MeetingState(Enum):
+    WAITING = "waiting"  # no hello of the peer heard yet
+    PAIRED = "paired"  # connected (or connecting) to the peer's latest run
+    SUPERSEDED = "superseded"  # a later run of this side started: this one ends
+    REVOKED = "revoked"  # either side revoked the pairing
+
+
+class MeetingEvent(Enum):
+    PEER_RUN = "peer run"  # a hello of a later run of the peer: (re)connect to it
+    SUPERSEDED = "superseded"  # a hello of a later run of this side, or a copied record
+    REVOKED = "revoked"
+
+
+STREAM_MEETING: Table[MeetingState, MeetingEvent] = Table(
+    "stream meeting",
+    MeetingState.WAITING,
+    {
+        (MeetingState.WAITING, MeetingEvent.PEER_RUN): MeetingState.PAIRED,
+        (MeetingState.WAITING, MeetingEvent.SUPERSEDED): MeetingState.SUPERSEDED,
+        (MeetingState.WAITING, MeetingEvent.REVOKED): MeetingState.REVOKED,
+        (MeetingState.PAIRED, MeetingEvent.PEER_RUN): MeetingState.PAIRED,  # the next pair
+        (MeetingState.PAIRED, MeetingEvent.SUPERSEDED): MeetingState.SUPERSEDED,
+        (MeetingState.PAIRED, MeetingEvent.REVOKED): MeetingState.REVOKED,
+        **_absorbing(frozenset({MeetingState.SUPERSEDED, MeetingState.REVOKED}), MeetingEvent),
+    },
+    frozenset({MeetingState.SUPERSEDED, MeetingState.REVOKED}),
+)
+
+
+# --- one micro-batch of a stream on the receiving side ------------------------------------
+
+
+class Batch(Enum):
+    RECEIVING = "receiving"  # partitions kept as they arrive; the manifest may name them
+    STAGED = "staged"  # every attempt the manifest names is kept: "have", a sequence number
+    FREED = "freed"  # the receiving query committed an offset past it
+
+
+class BatchEvent(Enum):
+    ALL_KEPT = "all kept"  # the manifest's last partition is kept
+    MANIFEST_AGAIN = "manifest again"  # a re-run of the batch: answered "have", dropped
+    CONSUMED = "consumed"  # the receiving query's commit(end) passed it
+
+
+BATCH: Table[Batch, BatchEvent] = Table(
+    "stream batch",
+    Batch.RECEIVING,
+    {
+        (Batch.RECEIVING, BatchEvent.ALL_KEPT): Batch.STAGED,
+        (Batch.STAGED, BatchEvent.MANIFEST_AGAIN): Batch.STAGED,
+        (Batch.STAGED, BatchEvent.CONSUMED): Batch.FREED,
+        (Batch.FREED, BatchEvent.MANIFEST_AGAIN): Batch.FREED,
+    },
+    frozenset({Batch.FREED}),
+)
+
+TABLES: tuple[Table, ...] = (LANE, SENDER_TASK, REGISTRY_LANE, STREAM_MEETING, BATCH)

@@ -1,0 +1,183 @@
+"""One run of one side of a stream: meet the peer's latest run with no code, and dilate.
+
+The reactor's glue for :mod:`..rules.pairing`: the run's record is written
+(:mod:`.record`) before anything is posted; its hello is kept on the standing
+mailbox (:mod:`...wormhole.standingclient`); every message goes to the
+:class:`~..rules.pairing.Meeting`, and for each pair it names, a
+:class:`PairChannel` gives Dilation what Dilation needs of a wormhole. The
+pair's Dilation then reconnects by itself as any does; a later run of the
+peer replaces it.
+"""
+
+from __future__ import annotations
+
+import logging
+import re
+from collections.abc import Callable
+from dataclasses import replace
+from pathlib import Path
+from typing import Any
+
+from twisted.internet import defer
+
+from ...dilation.api import DilatedWormhole
+from ...dilation.l1 import dilation_versions_message
+from ...dilation.manager import DilationManager
+from ...wormhole.core import InOrder
+from ...wormhole.keys import decrypt_data, derive_phase_key, encrypt_data
+from ...wormhole.standing import GotPosted
+from ...wormhole.standingclient import StandingClient
+from ..rules.pairing import (
+    STREAM_APPID,
+    Meeting,
+    Pair,
+    PairingError,
+    PairingRecord,
+    hello,
+    revocation,
+)
+from .record import load_record, save_record
+
+log = logging.getLogger(__name__)
+
+_DILATE = re.compile(r"dilate-(\d+)")
+
+
+class PairChannel:
+    """What :class:`~...dilation.manager.DilationManager` uses of a wormhole, for one pair.
+
+    Its L1 records travel as the pair's ``dilate-N`` phases, sealed with the pair's
+    key, in order; both runs are spark-dilation, so the peer's versions are ours.
+    """
+
+    def __init__(self, client: StandingClient, record: PairingRecord, pair: Pair) -> None:
+        self._client, self._side, self.pair = client, record.side, pair
+        self.shared_key = pair.key(record.secret)
+        self._sent = 0
+        self._in = InOrder()
+        self._handler: Callable[[bytes], None] | None = None
+        self._queued: list[bytes] = []
+
+    @property
+    def mailbox_connected(self) -> bool:
+        return self._client.is_connected
+
+    def get_peer_versions(self) -> defer.Deferred:
+        return defer.succeed(dilation_versions_message())
+
+    def _set_dilate_handler(self, handler: Callable[[bytes], None]) -> None:
+        self._handler = handler
+        queued, self._queued = self._queued, []
+        for record in queued:
+            handler(record)
+
+    def send_dilate(self, plaintext: bytes) -> None:
+        phase = self.pair.phase(f"dilate-{self._sent}")
+        self._sent += 1
+        key = derive_phase_key(self.shared_key, self._side, phase)
+        self._client.post(phase, encrypt_data(key, plaintext))
+
+    def received(self, name: str, side: str, body: bytes) -> None:
+        m = _DILATE.fullmatch(name)
+        if m is None or side == self._side:
+            return  # our own, echoed
+        try:
+            plaintext = decrypt_data(
+                derive_phase_key(self.shared_key, side, self.pair.phase(name)), body
+            )
+        except Exception:  # not sealed with this pair's key: nobody's we know
+            log.warning("ignoring a message of pair %s that does not open", self.pair)
+            return
+        for record in self._in.add(int(m[1]), plaintext):
+            if self._handler is None:
+                self._queued.append(record)
+            else:
+                self._handler(record)
+
+
+class StreamLink:
+    """One run of one side, from its pairing record (see the module docstring).
+
+    ``on_pair(pair, dilated)`` is called for each pair (the first, and one for each
+    later run of the peer); ``on_ended(error)`` when this run can no longer pair
+    (the pairing was revoked, or a later run of this side started).
+    ``dilation``: :func:`~...dilation.dilate` options (relay, timeouts).
+    """
+
+    def __init__(
+        self,
+        record_path: str | Path,
+        reactor: Any,
+        on_pair: Callable[[Pair, DilatedWormhole], None],
+        on_ended: Callable[[PairingError], None],
+        **dilation: Any,
+    ) -> None:
+        self.path = Path(record_path)
+        record = load_record(self.path)
+        if record is None:
+            raise PairingError(
+                f"no pairing record at {self.path}: a stream's first run pairs with its code"
+            )
+        self.record = record.next_run()
+        save_record(self.path, self.record)  # before anything is posted: no run reuses it
+        self._reactor, self._dilation = reactor, dilation
+        self._on_pair, self._on_ended = on_pair, on_ended
+        self.meeting = Meeting(self.record)
+        self._channel: PairChannel | None = None
+        self.dilated: DilatedWormhole | None = None
+        self._ahead: list[GotPosted] = []
+        self.client = StandingClient(
+            STREAM_APPID, record.mailbox, reactor, record.side, record.nameplate, self._posted
+        )
+        self.client.keep(*hello(self.record))
+
+    @property
+    def pair(self) -> Pair | None:
+        return self.meeting.pair
+
+    def stop(self) -> defer.Deferred:
+        """End this run; the pairing stays for the next."""
+        self._end_pair()
+        return self.client.stop()
+
+    def revoke(self, reason: str) -> defer.Deferred:
+        """End the pairing for both sides: the peer's runs hear it, this record is marked."""
+        self._end_pair()
+        self.client.post(*revocation(self.record, reason))
+        save_record(self.path, replace(self.record, revoked=reason or "revoked"))
+        return self.client.close()
+
+    def _posted(self, msg: GotPosted) -> None:
+        name = self.meeting.accepts(msg.phase)
+        if name is not None and self._channel is not None:
+            self._channel.received(name, msg.side, msg.body)
+            return
+        if self.meeting.ahead(msg.phase):
+            self._ahead.append(msg)  # its pair's hello is still on the way
+            return
+        heard = self.meeting.heard(msg.side, msg.phase, msg.body)
+        if heard.peer_side is not None:
+            self.record = replace(self.record, peer_side=heard.peer_side)
+            save_record(self.path, self.record)
+        if heard.ended is not None:
+            self._end_pair()
+            self._on_ended(heard.ended)
+        elif heard.pair is not None:
+            self._start_pair(heard.pair)
+
+    def _start_pair(self, pair: Pair) -> None:
+        self._end_pair()
+        log.info("stream %s: run %d pairs as %s", self.record.stream, self.record.incarnation, pair)
+        self._channel = PairChannel(self.client, self.record, pair)
+        manager = DilationManager(self._channel, self._reactor, **self._dilation)
+        self.dilated = DilatedWormhole(manager)
+        manager.start()
+        ahead, self._ahead = self._ahead, []
+        for msg in ahead:
+            self._posted(msg)
+        self._on_pair(pair, self.dilated)
+
+    def _end_pair(self) -> None:
+        if self.dilated is not None:
+            self.dilated.stop()
+        self.dilated = self._channel = None

@@ -1,0 +1,214 @@
+"""Exactly once for a stream: what the receiving side holds, batch by batch (pure).
+
+The sending query's micro-batch ``B`` arrives as partitions, each one attempt
+of a Spark write task, and then, from the sink's ``commit(B)``, a
+**manifest** naming the one attempt of each partition that Spark kept. The
+receiving side, in :class:`ReceiverLedger`:
+
+* keeps every partition as it arrives, durably, under ``(B, partition, attempt)``;
+* answers a manifest with **have** once every attempt it names is kept (the
+  batch is then *staged*; other attempts are dropped), and at once if ``B``
+  was staged before: a sending query restarted from its checkpoint runs ``B``
+  again, and the re-run is dropped whole;
+* gives each staged batch the next **sequence number**. The source's offsets
+  count sequence numbers, so they only grow, whatever the sender's batch ids
+  do, and a batch is read by the receiving query in the order it was staged;
+* frees a batch when the receiving query commits an offset past it.
+
+The sink's ``commit(B)`` returns only after **have** for ``B``: a batch the
+sending query logged as committed is staged on the receiving side, and its
+offsets give it to the receiving query exactly once. The ledger is persisted
+(:meth:`ReceiverLedger.to_json`) after each change and before any answer, so
+a receiving side restarted at any point answers as it would have.
+
+A ledger belongs to one sending query (its Spark query id): a new query
+restarts batch ids at 0, and its batches would be taken for re-runs.
+
+:class:`SinkLedger` is the sending side's half: what it must deliver (again,
+to each new pair) until the receiver says **have**.
+"""
+
+from __future__ import annotations
+
+import json
+from dataclasses import dataclass, field
+from typing import Any
+
+from .pairing import PairingError
+from .states import BATCH, Batch, BatchEvent
+
+Key = tuple[int, int, str]  # (batch, partition, attempt)
+
+
+@dataclass
+class Staged:
+    """One batch on the receiving side."""
+
+    batch: int
+    state: Batch = BATCH.initial
+    attempts: dict[int, str] = field(default_factory=dict)  # partition -> kept attempt
+    seq: int | None = None  # once staged
+
+
+@dataclass(frozen=True)
+class Answer:
+    """The receiver's answer to a manifest: ``have`` (with the batch's sequence number),
+    or the partitions still awaited."""
+
+    have: bool
+    seq: int | None = None
+    missing: tuple[int, ...] = ()
+
+
+class ReceiverLedger:
+    def __init__(self) -> None:
+        self.query: str | None = None  # the sending query this ledger belongs to
+        self.batches: dict[int, Staged] = {}
+        self.kept: set[Key] = set()  # partitions held, staged or not
+        self.next_seq = 0  # the source's latest offset
+        self.freed_below = 0  # the receiving query committed offsets below this
+
+    # --- the sending side's messages -------------------------------------------------------
+
+    def arrived(self, batch: int, partition: int, attempt: str) -> bool:
+        """A partition arrived; whether to keep it (False: its batch is staged or freed,
+        so this is a re-run's or a losing attempt's, and the caller drops it)."""
+        entry = self.batches.get(batch)
+        if entry is not None and entry.state is not Batch.RECEIVING:
+            return False
+        self.kept.add((batch, partition, attempt))
+        return True
+
+    def manifest(self, query: str, batch: int, attempts: dict[int, str]) -> Answer:
+        """The sink committed ``batch`` with these attempts; ``have`` once it is staged."""
+        if self.query is None:
+            self.query = query
+        elif query != self.query:
+            raise PairingError(
+                f"this stream's receiving side belongs to sending query {self.query}, not "
+                f"{query}: a new sending query starts a new stream (pair it with a new code)"
+            )
+        entry = self.batches.setdefault(batch, Staged(batch))
+        if entry.state is Batch.RECEIVING:
+            entry.attempts = dict(attempts)
+            missing = tuple(
+                p for p, a in sorted(attempts.items()) if (batch, p, a) not in self.kept
+            )
+            if missing:
+                return Answer(False, missing=missing)
+            entry.state = BATCH.next(entry.state, BatchEvent.ALL_KEPT)
+            entry.seq = self.next_seq
+            self.next_seq += 1
+            self.kept -= {
+                k for k in self.kept if k[0] == batch and entry.attempts.get(k[1]) != k[2]
+            }
+        else:
+            entry.state = BATCH.next(entry.state, BatchEvent.MANIFEST_AGAIN)
+        return Answer(True, seq=entry.seq)
+
+    def aborted(self, batch: int) -> list[Key]:
+        """The sink aborted ``batch`` (it runs again); the partitions to delete."""
+        entry = self.batches.get(batch)
+        if entry is not None and entry.state is not Batch.RECEIVING:
+            return []  # staged already: an abort of a re-run changes nothing
+        gone = sorted(k for k in self.kept if k[0] == batch)
+        self.kept -= set(gone)
+        self.batches.pop(batch, None)
+        return gone
+
+    # --- the receiving query's calls -------------------------------------------------------
+
+    def between(self, start: int, end: int) -> list[Staged]:
+        """The staged batches with sequence numbers in ``[start, end)``, in order."""
+        if start < self.freed_below:
+            raise PairingError(
+                f"offset {start} was committed by the receiving query and freed; its "
+                "checkpoint is older than this stream's ledger"
+            )
+        found = sorted(
+            (b for b in self.batches.values() if b.seq is not None and start <= b.seq < end),
+            key=lambda b: b.seq or 0,
+        )
+        if len(found) != max(0, end - start):
+            raise PairingError(f"offsets {start}-{end} name batches this side never staged")
+        return found
+
+    def commit(self, end: int) -> list[Key]:
+        """The receiving query is done with offsets below ``end``: the partitions to delete."""
+        gone: list[Key] = []
+        for entry in self.batches.values():
+            if entry.seq is not None and entry.seq < end and entry.state is Batch.STAGED:
+                entry.state = BATCH.next(entry.state, BatchEvent.CONSUMED)
+                gone += [(entry.batch, p, a) for p, a in sorted(entry.attempts.items())]
+        self.kept -= set(gone)
+        self.freed_below = max(self.freed_below, end)
+        return gone
+
+    # --- durability ----------------------------------------------------------------------
+
+    def to_json(self) -> str:
+        return json.dumps(
+            {
+                "query": self.query,
+                "next_seq": self.next_seq,
+                "freed_below": self.freed_below,
+                "kept": sorted(self.kept),
+                "batches": [
+                    [b.batch, b.state.value, {str(p): a for p, a in b.attempts.items()}, b.seq]
+                    for b in self.batches.values()
+                ],
+            }
+        )
+
+    @classmethod
+    def from_json(cls, text: str) -> ReceiverLedger:
+        body: dict[str, Any] = json.loads(text)
+        ledger = cls()
+        ledger.query, ledger.next_seq = body["query"], body["next_seq"]
+        ledger.freed_below = body["freed_below"]
+        ledger.kept = {(b, p, a) for b, p, a in body["kept"]}
+        for batch, state, attempts, seq in body["batches"]:
+            ledger.batches[batch] = Staged(
+                batch, Batch(state), {int(p): a for p, a in attempts.items()}, seq
+            )
+        return ledger
+
+
+class SinkLedger:
+    """The sending side: partitions and manifests to deliver until the receiver has them."""
+
+    def __init__(self, query: str) -> None:
+        self.query = query
+        self.written: dict[Key, Any] = {}  # (batch, partition, attempt) -> where it is spooled
+        self.manifests: dict[int, dict[int, str]] = {}  # committed by the sink, not yet had
+
+    def wrote(self, key: Key, where: Any) -> None:
+        self.written[key] = where
+
+    def committed(self, batch: int, attempts: dict[int, str]) -> list[Key]:
+        """The sink's commit: the manifest is due; the losing attempts, to delete."""
+        self.manifests[batch] = dict(attempts)
+        losers = [k for k in self.written if k[0] == batch and attempts.get(k[1]) != k[2]]
+        for k in losers:
+            del self.written[k]
+        return losers
+
+    def aborted(self, batch: int) -> list[Key]:
+        gone = [k for k in self.written if k[0] == batch]
+        for k in gone:
+            del self.written[k]
+        self.manifests.pop(batch, None)
+        return gone
+
+    def have(self, batch: int) -> list[Key]:
+        """The receiver staged ``batch``: the sink's commit returns; delete its spool."""
+        self.manifests.pop(batch, None)
+        gone = [k for k in self.written if k[0] == batch]
+        for k in gone:
+            del self.written[k]
+        return gone
+
+    def to_deliver(self) -> tuple[list[Key], dict[int, dict[int, str]]]:
+        """What a new pair must be sent, in order: every spooled partition, then the
+        manifests (the receiver keeps what it has and answers have where it can)."""
+        return sorted(self.written), dict(sorted(self.manifests.items()))
