@@ -117,7 +117,7 @@ def deliver(msg: tuple, s: Sender, r: Receiver, link: list[tuple]) -> None:
         if r.ledger.arrived(*msg[1]):
             r.persist()  # the partition's file is kept before the ledger says so
     elif msg[0] == "manifest":
-        answer = r.ledger.manifest(QUERY, msg[1], msg[2])
+        answer = r.ledger.manifest(QUERY, msg[1], msg[2], rows=2 * len(msg[2]))
         r.persist()
         if answer.have:
             link.append(("have", msg[1]))
@@ -198,3 +198,22 @@ def test_offsets_the_ledger_freed_or_never_staged_are_refused() -> None:
         ledger.between(0, 1)
     with pytest.raises(PairingError, match="never staged"):
         ledger.between(1, 3)
+
+
+def staged_ledger(sizes: list[int]) -> ReceiverLedger:
+    ledger = ReceiverLedger()
+    for batch, rows_ in enumerate(sizes):
+        ledger.manifest(QUERY, batch, {}, rows=rows_, nbytes=10 * rows_)
+    return ledger
+
+
+def test_admission_control_reads_whole_batches_and_always_moves() -> None:
+    ledger = staged_ledger([100, 100, 500, 100])
+    assert ledger.end_within(0) == 4  # no limit: everything staged
+    assert ledger.end_within(0, max_rows=250) == 2
+    assert ledger.end_within(2, max_rows=250) == 3  # one batch over the limit still moves
+    assert ledger.end_within(0, max_bytes=1000) == 1
+    assert ledger.end_within(1, max_rows=10_000, max_bytes=6000) == 3
+    assert ledger.end_within(4, max_rows=1) == 4  # nothing staged: nothing to read
+    assert ledger.lag(1) == {"batches": 3, "rows": 700, "bytes": 7000}
+    assert ReceiverLedger.from_json(ledger.to_json()).lag(1) == ledger.lag(1)

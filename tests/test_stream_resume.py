@@ -17,12 +17,11 @@ import pytest
 from reactor_helpers import reactor, reactor_test, sleep
 from twisted.internet import defer, protocol
 
-from spark_dilation.transfer.meet.record import load_record, save_record
-from spark_dilation.transfer.meet.resume import StreamLink
-from spark_dilation.transfer.rules.pairing import RECEIVER, SENDER, Pair, PairingError, new_record
-from spark_dilation.wormhole.client import Wormhole
+from spark_dilation.transfer.meet.record import load_record
+from spark_dilation.transfer.meet.resume import StreamLink, pair_over_code
+from spark_dilation.transfer.rules.pairing import RECEIVER, SENDER, Pair, PairingError
 
-APPID = "spark-dilation.test/stream-first-pairing"
+SCHEMA = "c2NoZW1hIGJ5dGVz"  # base64 of the sender's Arrow schema (opaque here)
 SUBPROTOCOL = "spark-dilation-test/stream"
 
 
@@ -85,15 +84,18 @@ async def exchange(sender: Run, receiver: Run, pair: Pair, payload: bytes) -> by
 
 async def first_pairing(mailbox_url: str, folder: Path) -> tuple[Path, Path]:
     """The first run pairs over a code; each side keeps its record from the key."""
-    a = Wormhole(APPID, mailbox_url, reactor())
-    a.allocate_code()
-    b = Wormhole(APPID, mailbox_url, reactor())
-    b.set_code(await a.get_code())
-    await defer.gatherResults([a.get_verifier(), b.get_verifier()])
     paths = folder / "sender.pairing", folder / "receiver.pairing"
-    for w, role, path in ((a, SENDER, paths[0]), (b, RECEIVER, paths[1])):
-        save_record(path, new_record(w.shared_key, role, mailbox_url))
-    await defer.gatherResults([a.close(), b.close()])
+    code: defer.Deferred = defer.Deferred()
+    sender = defer.ensureDeferred(
+        pair_over_code(
+            reactor(), SENDER, mailbox_url, paths[0], schema=SCHEMA, on_code=code.callback
+        )
+    )
+    receiver = pair_over_code(reactor(), RECEIVER, mailbox_url, paths[1], code=await code)
+    s, r = await defer.gatherResults([sender, defer.ensureDeferred(receiver)])
+    assert s.secret == r.secret and s.side != r.side and r.schema == SCHEMA
+    with pytest.raises(PairingError, match="already pairs this side of stream"):
+        await pair_over_code(reactor(), SENDER, mailbox_url, paths[0])  # never overwritten
     return paths
 
 
@@ -125,3 +127,21 @@ async def test_runs_resume_with_no_code_after_kills_of_either_side(
     with pytest.raises(PairingError, match=r"revoked \(rotating keys\)"):
         Run(s_path, relay_url)
     receiver.kill()
+
+
+@reactor_test(timeout=120)
+async def test_two_receivers_on_one_code_are_told_in_one_line(
+    mailbox_url: str, tmp_path: Path
+) -> None:
+    code: defer.Deferred = defer.Deferred()
+    first = defer.ensureDeferred(
+        pair_over_code(reactor(), RECEIVER, mailbox_url, tmp_path / "a", on_code=code.callback)
+    )
+    second = defer.ensureDeferred(
+        pair_over_code(reactor(), RECEIVER, mailbox_url, tmp_path / "b", code=await code)
+    )
+    for d in (first, second):
+        with pytest.raises(PairingError) as e:
+            await d
+        assert "is another stream receiver: two receivers used one code" in str(e.value)
+    assert not (tmp_path / "a").exists() and not (tmp_path / "b").exists()

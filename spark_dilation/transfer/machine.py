@@ -123,12 +123,16 @@ def held_in(table: str, dev: int, ino: int) -> bool:
     return False
 
 
-def atomic_write(path: str | Path, data: bytes | str, mode: int = 0o666) -> None:
+def atomic_write(
+    path: str | Path, data: bytes | str, mode: int = 0o666, durable: bool = False
+) -> None:
     """``data`` (a str as UTF-8) into the file ``path``, all at once: a reader finds
     the old file or none, or the whole new one, never a part.
 
     Written to a new file beside it, then renamed over ``path``. ``mode`` is the
     new file's permissions before the umask (``0o600``: this user's alone).
+    ``durable``: on disk before this returns, the rename included (fsync of the
+    file, then of its folder), so a machine that loses power keeps it.
     """
     path = Path(path)
     body = data.encode() if isinstance(data, str) else data
@@ -137,7 +141,16 @@ def atomic_write(path: str | Path, data: bytes | str, mode: int = 0o666) -> None
     try:
         with os.fdopen(fd, "wb") as f:
             f.write(body)
+            if durable:
+                f.flush()
+                os.fsync(f.fileno())
         os.replace(tmp, path)
+        if durable:
+            folder = os.open(path.parent, os.O_RDONLY)
+            try:
+                os.fsync(folder)
+            finally:
+                os.close(folder)
     except BaseException:
         with contextlib.suppress(OSError):
             os.unlink(tmp)

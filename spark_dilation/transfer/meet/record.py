@@ -34,10 +34,11 @@ def load_record(path: str | Path) -> PairingRecord | None:
 
 
 def save_record(path: str | Path, record: PairingRecord) -> None:
-    """Write ``record`` whole, readable by this user only."""
+    """Write ``record`` whole, readable by this user only, and on disk before this
+    returns: a run's incarnation must never be reused, even after a power loss."""
     path = Path(path)
     path.parent.mkdir(parents=True, exist_ok=True)
-    atomic_write(path, record.to_json(), mode=0o600)
+    atomic_write(path, record.to_json(), mode=0o600, durable=True)
 
 
 def revoke_record(path: str | Path, reason: str) -> PairingRecord:

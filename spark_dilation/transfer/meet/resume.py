@@ -1,6 +1,9 @@
-"""One run of one side of a stream: meet the peer's latest run with no code, and dilate.
+"""A stream's runs: the first pairs over the human code; each run then meets the
+peer's latest run with no code, and dilates.
 
-The reactor's glue for :mod:`..rules.pairing`: the run's record is written
+:func:`pair_over_code` is the first run's session: both sides keep the record
+they derive from the confirmed key. :class:`StreamLink` is a run (the first one
+too), the reactor's glue for :mod:`..rules.pairing`: the run's record is written
 (:mod:`.record`) before anything is posted; its hello is kept on the standing
 mailbox (:mod:`...wormhole.standingclient`); every message goes to the
 :class:`~..rules.pairing.Meeting`, and for each pair it names, a
@@ -11,6 +14,7 @@ peer replaces it.
 
 from __future__ import annotations
 
+import contextlib
 import logging
 import re
 from collections.abc import Callable
@@ -28,12 +32,15 @@ from ...wormhole.keys import decrypt_data, derive_phase_key, encrypt_data
 from ...wormhole.standing import GotPosted
 from ...wormhole.standingclient import StandingClient
 from ..rules.pairing import (
+    ROLES,
+    SENDER,
     STREAM_APPID,
     Meeting,
     Pair,
     PairingError,
     PairingRecord,
     hello,
+    new_record,
     revocation,
 )
 from .record import load_record, save_record
@@ -41,6 +48,76 @@ from .record import load_record, save_record
 log = logging.getLogger(__name__)
 
 _DILATE = re.compile(r"dilate-(\d+)")
+STREAM_PROTOCOL = "spark-dilation/stream"  # our entry in the first session's app_versions
+
+
+async def pair_over_code(
+    reactor: Any,
+    role: str,
+    mailbox_url: str,
+    record_path: str | Path,
+    *,
+    code: str | None = None,
+    schema: str | None = None,
+    on_code: Callable[[str], None] | None = None,
+    timeout: float = 300.0,
+    timeout_option: str = "peer_timeout",
+) -> PairingRecord:
+    """A stream's first run: meet the peer over the human code (allocated when ``code``
+    is None, then told to ``on_code``) and write the record both sides derive.
+
+    The sender names the stream's schema (base64 Arrow IPC) in its version message,
+    so the receiver's record holds it. Waits at most ``timeout`` for the peer.
+    """
+    from ...wormhole.client import Wormhole
+
+    if role not in ROLES:
+        raise ValueError(f"role is one of {ROLES}, not {role!r}")
+    existing = load_record(record_path)
+    if existing is not None:
+        raise PairingError(
+            f"{record_path} already pairs this side of stream {existing.stream}: resume it "
+            "with no code, or revoke it and remove the file to pair again"
+        )
+    mine: dict[str, Any] = {"version": 1, "role": role}
+    if role == SENDER and schema is not None:
+        mine["schema"] = schema
+    w = Wormhole(
+        STREAM_APPID,
+        mailbox_url,
+        reactor,
+        app_versions={STREAM_PROTOCOL: mine},
+        timeout=timeout,
+        timeout_option=timeout_option,
+    )
+    if code is None:
+        w.allocate_code(2)
+    else:
+        w.set_code(code)
+    try:
+        code = await w.get_code()
+        if on_code is not None:
+            on_code(code)
+        await w.get_verifier()
+        peer = (await w.get_versions()).get(STREAM_PROTOCOL)
+        if not isinstance(peer, dict) or peer.get("role") not in ROLES:
+            raise PairingError(f"the other side of the code {code} is not a spark-dilation stream")
+        if peer["role"] == role:
+            raise PairingError(
+                f"the other side of the code {code} is another stream {role}: two {role}s used "
+                "one code. Start the stream again with a new code"
+            )
+        record = new_record(
+            w.shared_key, role, mailbox_url, schema if role == SENDER else peer.get("schema")
+        )
+        save_record(record_path, record)
+    except BaseException:
+        with contextlib.suppress(Exception):
+            await w.close()
+        raise
+    with contextlib.suppress(Exception):  # paired: a close the server does not confirm is nothing
+        await w.close()
+    return record
 
 
 class PairChannel:

@@ -48,6 +48,8 @@ class Staged:
     state: Batch = BATCH.initial
     attempts: dict[int, str] = field(default_factory=dict)  # partition -> kept attempt
     seq: int | None = None  # once staged
+    rows: int = 0  # the manifest's totals: admission control and lag
+    nbytes: int = 0
 
 
 @dataclass(frozen=True)
@@ -79,8 +81,11 @@ class ReceiverLedger:
         self.kept.add((batch, partition, attempt))
         return True
 
-    def manifest(self, query: str, batch: int, attempts: dict[int, str]) -> Answer:
-        """The sink committed ``batch`` with these attempts; ``have`` once it is staged."""
+    def manifest(
+        self, query: str, batch: int, attempts: dict[int, str], rows: int = 0, nbytes: int = 0
+    ) -> Answer:
+        """The sink committed ``batch`` with these attempts (``rows`` and ``nbytes`` in
+        all); ``have`` once it is staged."""
         if self.query is None:
             self.query = query
         elif query != self.query:
@@ -90,7 +95,7 @@ class ReceiverLedger:
             )
         entry = self.batches.setdefault(batch, Staged(batch))
         if entry.state is Batch.RECEIVING:
-            entry.attempts = dict(attempts)
+            entry.attempts, entry.rows, entry.nbytes = dict(attempts), rows, nbytes
             missing = tuple(
                 p for p, a in sorted(attempts.items()) if (batch, p, a) not in self.kept
             )
@@ -133,6 +138,32 @@ class ReceiverLedger:
             raise PairingError(f"offsets {start}-{end} name batches this side never staged")
         return found
 
+    def end_within(
+        self, start: int, max_rows: int | None = None, max_bytes: int | None = None
+    ) -> int:
+        """The latest offset a micro-batch from ``start`` may read under the limits
+        (``maxRecordsPerTrigger``, ``maxBytesPerTrigger``): whole batches, and always at
+        least one when one is staged, so a batch larger than the limit still moves."""
+        end, rows, nbytes = start, 0, 0
+        for entry in self.between(start, self.next_seq):
+            rows, nbytes = rows + entry.rows, nbytes + entry.nbytes
+            over = (max_rows is not None and rows > max_rows) or (
+                max_bytes is not None and nbytes > max_bytes
+            )
+            if over and end > start:
+                break
+            end += 1
+        return end
+
+    def lag(self, start: int) -> dict[str, int]:
+        """What is staged from ``start`` on and not yet read: batches, rows, bytes."""
+        waiting = self.between(start, self.next_seq)
+        return {
+            "batches": len(waiting),
+            "rows": sum(b.rows for b in waiting),
+            "bytes": sum(b.nbytes for b in waiting),
+        }
+
     def commit(self, end: int) -> list[Key]:
         """The receiving query is done with offsets below ``end``: the partitions to delete."""
         gone: list[Key] = []
@@ -154,7 +185,14 @@ class ReceiverLedger:
                 "freed_below": self.freed_below,
                 "kept": sorted(self.kept),
                 "batches": [
-                    [b.batch, b.state.value, {str(p): a for p, a in b.attempts.items()}, b.seq]
+                    [
+                        b.batch,
+                        b.state.value,
+                        {str(p): a for p, a in b.attempts.items()},
+                        b.seq,
+                        b.rows,
+                        b.nbytes,
+                    ]
                     for b in self.batches.values()
                 ],
             }
@@ -167,10 +205,9 @@ class ReceiverLedger:
         ledger.query, ledger.next_seq = body["query"], body["next_seq"]
         ledger.freed_below = body["freed_below"]
         ledger.kept = {(b, p, a) for b, p, a in body["kept"]}
-        for batch, state, attempts, seq in body["batches"]:
-            ledger.batches[batch] = Staged(
-                batch, Batch(state), {int(p): a for p, a in attempts.items()}, seq
-            )
+        for batch, state, attempts, seq, rows, nbytes in body["batches"]:
+            attempts = {int(p): a for p, a in attempts.items()}
+            ledger.batches[batch] = Staged(batch, Batch(state), attempts, seq, rows, nbytes)
         return ledger
 
 
