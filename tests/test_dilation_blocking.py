@@ -163,7 +163,12 @@ def test_back_pressure_bounds_memory(pair) -> None:
     # ... so the sender had to wait for the slow reader: when its last send()
     # returned, most of the 40 MiB had already been consumed.
     assert outstanding_at_end[0] < total // 2, outstanding_at_end
-    assert not rx.reading_paused and rx.buffered_bytes == 0
+    # receive() schedules the resume on the reactor (callFromThread, which runs in
+    # order): one call through the same queue after it, and reading must be resumed.
+    # (Reading the stats at once raced it: a CI run saw reading_paused=True.)
+    crochet.run_in_reactor(lambda: None)().wait(5)
+    rx = cb.stats()
+    assert not rx.reading_paused and rx.buffered_bytes == 0, rx
 
 
 def test_receive_timeout(pair) -> None:
