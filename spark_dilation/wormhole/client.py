@@ -384,7 +384,7 @@ class Wormhole:
 
     def _first_connection_failed(self, failure: Failure) -> None:
         if not self._stopping:
-            self._abort(ServerConnectionError(self._url, describe_failure(failure)))
+            self._abort(ServerConnectionError(self._url, _describe(failure)))
 
     # --- plumbing ----------------------------------------------------------------
 
@@ -538,7 +538,7 @@ def _endpoint_for(reactor: Any, url: str) -> Any:
     return endpoints.HostnameEndpoint(reactor, parsed.hostname, port)
 
 
-def describe_failure(failure: Failure) -> str:
+def _describe(failure: Failure) -> str:
     value = failure.value
     text = str(value).strip() or type(value).__name__
     return text.splitlines()[0].rstrip(".")

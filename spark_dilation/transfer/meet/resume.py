@@ -28,7 +28,6 @@ from ...dilation.api import DilatedWormhole
 from ...dilation.l1 import dilation_versions_message
 from ...dilation.manager import DilationManager
 from ...wormhole.core import InOrder
-from ...wormhole.keys import decrypt_data, derive_phase_key, encrypt_data
 from ...wormhole.standing import GotPosted
 from ...wormhole.standingclient import StandingClient
 from ..rules.pairing import (
@@ -41,7 +40,9 @@ from ..rules.pairing import (
     PairingRecord,
     hello,
     new_record,
+    open_bytes,
     revocation,
+    seal_bytes,
 )
 from .record import load_record, save_record
 
@@ -151,18 +152,14 @@ class PairChannel:
     def send_dilate(self, plaintext: bytes) -> None:
         phase = self.pair.phase(f"dilate-{self._sent}")
         self._sent += 1
-        key = derive_phase_key(self.shared_key, self._side, phase)
-        self._client.post(phase, encrypt_data(key, plaintext))
+        self._client.post(phase, seal_bytes(self.shared_key, self._side, phase, plaintext))
 
     def received(self, name: str, side: str, body: bytes) -> None:
         m = _DILATE.fullmatch(name)
         if m is None or side == self._side:
             return  # our own, echoed
-        try:
-            plaintext = decrypt_data(
-                derive_phase_key(self.shared_key, side, self.pair.phase(name)), body
-            )
-        except Exception:  # not sealed with this pair's key: nobody's we know
+        plaintext = open_bytes(self.shared_key, side, self.pair.phase(name), body)
+        if plaintext is None:  # not sealed with this pair's key: nobody's we know
             log.warning("ignoring a message of pair %s that does not open", self.pair)
             return
         for record in self._in.add(int(m[1]), plaintext):
@@ -233,9 +230,6 @@ class StreamLink:
             self._ahead.append(msg)  # its pair's hello is still on the way
             return
         heard = self.meeting.heard(msg.side, msg.phase, msg.body)
-        if heard.peer_side is not None:
-            self.record = replace(self.record, peer_side=heard.peer_side)
-            save_record(self.path, self.record)
         if heard.ended is not None:
             self._end_pair()
             self._on_ended(heard.ended)

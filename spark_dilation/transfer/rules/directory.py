@@ -91,8 +91,8 @@ def door_code(secret: bytes, lane: int, epoch: int, sender: int, attempt: int) -
     """
     if min(lane, epoch, sender, attempt) < 0:
         raise ValueError("lane, epoch, sender and attempt are non-negative")
-    return derived_code(secret, f"spark-dilation door lane {lane} epoch {epoch} sender {sender} "
-                         f"attempt {attempt}")  # fmt: skip
+    info = f"spark-dilation door lane {lane} epoch {epoch} sender {sender} attempt {attempt}"
+    return derived_code(secret, info)
 
 
 # --- the two halves of the directory --------------------------------------------------

@@ -66,6 +66,9 @@ class ReceiverLedger:
     def __init__(self) -> None:
         self.query: str | None = None  # the sending query this ledger belongs to
         self.batches: dict[int, Staged] = {}
+        # Sequence number -> staged batch: reading and committing look up the offsets'
+        # range instead of sorting every batch the stream ever staged, per trigger.
+        self.by_seq: dict[int, Staged] = {}
         self.kept: set[Key] = set()  # partitions held, staged or not
         self.next_seq = 0  # the source's latest offset
         self.freed_below = 0  # the receiving query committed offsets below this
@@ -103,6 +106,7 @@ class ReceiverLedger:
                 return Answer(False, missing=missing)
             entry.state = BATCH.next(entry.state, BatchEvent.ALL_KEPT)
             entry.seq = self.next_seq
+            self.by_seq[entry.seq] = entry
             self.next_seq += 1
             self.kept -= {
                 k for k in self.kept if k[0] == batch and entry.attempts.get(k[1]) != k[2]
@@ -130,13 +134,9 @@ class ReceiverLedger:
                 f"offset {start} was committed by the receiving query and freed; its "
                 "checkpoint is older than this stream's ledger"
             )
-        found = sorted(
-            (b for b in self.batches.values() if b.seq is not None and start <= b.seq < end),
-            key=lambda b: b.seq or 0,
-        )
-        if len(found) != max(0, end - start):
+        if end > self.next_seq:
             raise PairingError(f"offsets {start}-{end} name batches this side never staged")
-        return found
+        return [self.by_seq[seq] for seq in range(start, end)]
 
     def end_within(
         self, start: int, max_rows: int | None = None, max_bytes: int | None = None
@@ -167,10 +167,12 @@ class ReceiverLedger:
     def commit(self, end: int) -> list[Key]:
         """The receiving query is done with offsets below ``end``: the partitions to delete."""
         gone: list[Key] = []
-        for entry in self.batches.values():
-            if entry.seq is not None and entry.seq < end and entry.state is Batch.STAGED:
-                entry.state = BATCH.next(entry.state, BatchEvent.CONSUMED)
-                gone += [(entry.batch, p, a) for p, a in sorted(entry.attempts.items())]
+        # Below freed_below every batch is freed already (each commit frees all below it).
+        end = min(end, self.next_seq)
+        for seq in range(self.freed_below, end):
+            entry = self.by_seq[seq]
+            entry.state = BATCH.next(entry.state, BatchEvent.CONSUMED)
+            gone += [(entry.batch, p, a) for p, a in sorted(entry.attempts.items())]
         self.kept -= set(gone)
         self.freed_below = max(self.freed_below, end)
         return gone
@@ -207,7 +209,9 @@ class ReceiverLedger:
         ledger.kept = {(b, p, a) for b, p, a in body["kept"]}
         for batch, state, attempts, seq, rows, nbytes in body["batches"]:
             attempts = {int(p): a for p, a in attempts.items()}
-            ledger.batches[batch] = Staged(batch, Batch(state), attempts, seq, rows, nbytes)
+            entry = ledger.batches[batch] = Staged(batch, Batch(state), attempts, seq, rows, nbytes)
+            if seq is not None:
+                ledger.by_seq[seq] = entry
         return ledger
 
 
@@ -231,14 +235,14 @@ class SinkLedger:
         return losers
 
     def aborted(self, batch: int) -> list[Key]:
-        gone = [k for k in self.written if k[0] == batch]
-        for k in gone:
-            del self.written[k]
-        self.manifests.pop(batch, None)
-        return gone
+        """The sink aborted ``batch`` (it runs again): forget it; its spool, to delete."""
+        return self._forget(batch)
 
     def have(self, batch: int) -> list[Key]:
         """The receiver staged ``batch``: the sink's commit returns; delete its spool."""
+        return self._forget(batch)
+
+    def _forget(self, batch: int) -> list[Key]:
         self.manifests.pop(batch, None)
         gone = [k for k in self.written if k[0] == batch]
         for k in gone:

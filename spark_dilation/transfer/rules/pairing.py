@@ -96,7 +96,6 @@ class PairingRecord:
     stream: str  # an id both sides share, safe to show
     incarnation: int = 0  # the last run that started (0: none since the first pairing)
     schema: str | None = None  # base64 Arrow IPC schema: a receiver restarts knowing it
-    peer_side: str | None = None  # learned from the peer's first hello
     revoked: str | None = None  # why, once revoked on this side
     version: int = RECORD_VERSION
 
@@ -152,22 +151,36 @@ def new_record(
     return PairingRecord(role, secret, side or secrets.token_hex(5), mailbox, stream, 0, schema)
 
 
-def seal(secret: bytes, side: str, phase: str, body: dict[str, Any]) -> bytes:
-    """A mailbox body only holders of the secret can make or read."""
+def seal_bytes(key: bytes, side: str, phase: str, data: bytes) -> bytes:
+    """A mailbox body only holders of ``key`` can make or read (as wormhole phases are)."""
     from ...wormhole.keys import derive_phase_key, encrypt_data
 
-    return encrypt_data(derive_phase_key(secret, side, phase), json.dumps(body).encode())
+    return encrypt_data(derive_phase_key(key, side, phase), data)
 
 
-def unseal(secret: bytes, side: str, phase: str, body: bytes) -> dict[str, Any] | None:
-    """The body :func:`seal` made, or None if it does not open (forged or garbled)."""
+def open_bytes(key: bytes, side: str, phase: str, body: bytes) -> bytes | None:
+    """What :func:`seal_bytes` sealed, or None if it does not open (forged or garbled)."""
     from nacl.exceptions import CryptoError
 
     from ...wormhole.keys import decrypt_data, derive_phase_key
 
     try:
-        value = json.loads(decrypt_data(derive_phase_key(secret, side, phase), body))
-    except (CryptoError, ValueError):
+        return decrypt_data(derive_phase_key(key, side, phase), body)
+    except CryptoError:
+        return None
+
+
+def seal(secret: bytes, side: str, phase: str, body: dict[str, Any]) -> bytes:
+    """A JSON body for the standing mailbox, sealed with the pairing secret."""
+    return seal_bytes(secret, side, phase, json.dumps(body).encode())
+
+
+def unseal(secret: bytes, side: str, phase: str, body: bytes) -> dict[str, Any] | None:
+    """The body :func:`seal` made, or None if it does not open or is not a JSON object."""
+    data = open_bytes(secret, side, phase, body)
+    try:
+        value = json.loads(data) if data is not None else None
+    except ValueError:
         return None
     return value if isinstance(value, dict) else None
 
@@ -190,7 +203,6 @@ class Heard:
 
     pair: Pair | None = None
     ended: PairingError | None = None
-    peer_side: str | None = None  # the peer's side, the first time it is heard
 
 
 class Meeting:
@@ -207,8 +219,6 @@ class Meeting:
         self.record = record
         self.state = STREAM_MEETING.initial
         self.peer_run: int | None = None
-        self.peer_side = record.peer_side
-        self.error: PairingError | None = None
 
     @property
     def pair(self) -> Pair | None:
@@ -267,24 +277,12 @@ class Meeting:
             return Heard()  # this run's echo, or an earlier run's hello
         if value.get("role") != self.record.peer_role:
             return Heard()
-        learned = None
-        if self.peer_side is None:
-            self.peer_side = learned = side
-        elif side != self.peer_side:
-            # Only two sides ever post on the nameplate; a third that holds the
-            # secret is a copied record run alongside the original.
-            return self._end(
-                MeetingEvent.SUPERSEDED,
-                f"two processes hold the {self.record.peer_role}'s pairing record "
-                f"(sides {self.peer_side} and {side}); run one",
-            )
         if self.peer_run is not None and run <= self.peer_run:
             return Heard()  # an earlier run of the peer, replayed
         self.peer_run = run
         self.state = STREAM_MEETING.next(self.state, MeetingEvent.PEER_RUN)
-        return Heard(pair=self.pair, peer_side=learned)
+        return Heard(pair=self.pair)
 
     def _end(self, event: MeetingEvent, text: str) -> Heard:
         self.state = STREAM_MEETING.next(self.state, event)
-        self.error = PairingError(text)
-        return Heard(ended=self.error)
+        return Heard(ended=PairingError(text))
