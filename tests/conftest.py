@@ -64,6 +64,7 @@ INTEGRATION_MODULES = frozenset(
         "test_sender_host",
         "test_spark_connect",
         "test_spark_faults",
+        "test_spark_stream",
         "test_spark_files",
         "test_spark_locality",
         "test_spark_transfer",

@@ -24,7 +24,7 @@ def documented() -> dict[str, dict[str, str]]:
         if len(cells) != len(COLUMNS) or not NAME.match(cells[0]):
             continue
         row = dict(zip(COLUMNS, cells, strict=True))
-        row["name"] = NAME.match(cells[0])[1]
+        row["name"] = NAME.match(cells[0])[1].lower()  # Spark lower-cases option keys
         assert row["name"] not in rows, f"{row['name']} is documented twice"
         assert {row["read"], row["write"], row["python"]} <= {"yes", "no"}, line
         rows[row["name"]] = row
@@ -41,6 +41,30 @@ def test_every_option_is_documented_where_it_applies():
     assert where("read") == set(KNOWN_OPTIONS)
     assert where("write") == set(WRITE_OPTIONS)
     assert where("python") == python
+
+
+STREAM_COLUMNS = ("name", "readStream", "writeStream", "default", "meaning")
+
+
+def test_every_stream_option_is_documented_where_it_applies():
+    from spark_dilation.spark.stream import STREAM_WRITE_OPTIONS, TRANSFER_STREAM_OPTIONS
+
+    text = (CONF / "options.md").read_text().split("## Streams", 1)[1].split("\n## ", 1)[0]
+    rows = {}
+    for line in text.splitlines():
+        cells = [c.strip() for c in line.strip().strip("|").split("|")]
+        if len(cells) == len(STREAM_COLUMNS) and NAME.match(cells[0]):
+            rows[NAME.match(cells[0])[1].lower()] = dict(zip(STREAM_COLUMNS, cells, strict=True))
+    read = {n for n, r in rows.items() if r["readStream"] == "yes"}
+    write = {n for n, r in rows.items() if r["writeStream"] == "yes"}
+    from spark_dilation.spark.options import STREAM_READ_OPTIONS
+
+    assert read == {"code", *STREAM_READ_OPTIONS, *TRANSFER_STREAM_OPTIONS}
+    assert write == {*STREAM_WRITE_OPTIONS, *TRANSFER_STREAM_OPTIONS} - {"path"}
+    for name in TRANSFER_STREAM_OPTIONS:
+        default = getattr(TransferOptions(), name)
+        if default is not None:
+            assert rows[name]["default"] == f"`{default}`", name
 
 
 def test_the_documented_defaults_are_the_code_defaults():

@@ -98,7 +98,7 @@ def test_a_host_module_is_a_helper_process_and_only_it_is() -> None:
             hosts.add(path.stem)
         if 'if __name__ == "__main__"' in text:
             mains.add(path.stem)
-    assert hosts == {"senderhost", "lanehost", "registryhost"}
+    assert hosts == {"senderhost", "lanehost", "registryhost", "streamhost"}
     assert mains == hosts
 
 

@@ -18,6 +18,7 @@ on a real cluster set option ``staging_dir`` to storage every executor sees.
 
 from __future__ import annotations
 
+import contextlib
 import inspect
 import json
 import logging
@@ -36,7 +37,15 @@ from pyspark.sql.types import ArrayType, DataType, MapType, StructField, StructT
 
 from ..errors import DilationError
 from ..transfer.rules.options import TransferOptions
-from .options import FILE_ONLY_OPTIONS, MAILBOX_ENV, RELAY_ENV, OptionError, ReadSettings
+from ..transfer.rules.pairing import PairingRecord
+from .options import (
+    FILE_ONLY_OPTIONS,
+    MAILBOX_ENV,
+    RELAY_ENV,
+    STREAM_READ_OPTIONS,
+    OptionError,
+    ReadSettings,
+)
 from .receive import new_staging_dir, receive_file
 from .staged import (
     StagedDataError,
@@ -190,6 +199,7 @@ class DilationDataSource(DataSource):
         # shape, or the agreed dataset transfer.
         self._staged: StagedDataset | None = None
         self._spec: Any = None
+        self._stream: pa.Schema | None = None  # the code carries a stream (spark/stream.py)
 
     @classmethod
     def name(cls) -> str:
@@ -201,18 +211,40 @@ class DilationDataSource(DataSource):
         if settings.staged_path is not None or settings.accept == "file":
             self._staged = _stage(settings)
             return to_spark_schema(self._staged.arrow_schema)
-        from ..transfer.receive import ReceivedFileResult, receive_session
+        from ..transfer.receive import ReceivedFileResult, load_record, receive_session
+        from .stream import RECORD_NAME, pairing_dir, stream_schema
 
+        # A stream paired before (a restarted receiving query): its record has the
+        # schema, and the spent code is not opened again.
+        stream_dir = pairing_dir(self.options, "receiver")
+        record = load_record(stream_dir / RECORD_NAME)
+        if record is not None:
+            self._stream = stream_schema(record, stream_dir)
+            return to_spark_schema(self._stream)
         assert settings.code is not None
         options = _transfer_options(self.options, settings)
         dest = new_staging_dir(settings.staging_root)
         try:
+            stream_dir.mkdir(parents=True, exist_ok=True, mode=0o700)
             result = receive_session(
-                settings.code, options, file_dest=dest, accept_file=settings.accept != "dataset"
+                settings.code,
+                options,
+                file_dest=dest,
+                accept_file=settings.accept != "dataset",
+                stream_record=stream_dir / RECORD_NAME,
             )
         except BaseException:
             shutil.rmtree(dest, ignore_errors=True)
+            with contextlib.suppress(OSError):
+                stream_dir.rmdir()  # made for a stream that did not come
             raise
+        if isinstance(result, PairingRecord):
+            shutil.rmtree(dest, ignore_errors=True)
+            log.info("paired as the receiver of stream %s", result.stream)
+            self._stream = stream_schema(result, stream_dir)
+            return to_spark_schema(self._stream)
+        with contextlib.suppress(OSError):
+            stream_dir.rmdir()
         if isinstance(result, ReceivedFileResult):
             self._staged = _inspect_received(settings, result.received)
             return to_spark_schema(self._staged.arrow_schema)
@@ -236,6 +268,11 @@ class DilationDataSource(DataSource):
 
     def reader(self, schema: StructType) -> DataSourceReader:
         """A reader for ``schema``: the lanes of a dataset, or the staged file. Per action."""
+        if self._stream is not None:
+            raise OptionError(
+                "this code carries a stream: read it with "
+                'spark.readStream.format("dilation").option("code", CODE).load()'
+            )
         if self._spec is not None:
             from .dataset import DatasetReader
 
@@ -256,6 +293,24 @@ class DilationDataSource(DataSource):
                 )
             staged = _inspect(settings, Path(settings.staged_path))
         return StagedFileReader(staged, spark_arrow_schema(schema))
+
+    def streamReader(self, schema: StructType) -> Any:
+        """``readStream``: the stream's source (spark/stream.py). Planner and streaming worker."""
+        if self._stream is None:
+            raise OptionError(
+                "this code carries a dataset or a file, not a stream: read it with "
+                'spark.read.format("dilation"), or give readStream the code of a '
+                'writeStream.format("dilation")'
+            )
+        from .stream import stream_reader
+
+        return stream_reader(self.options, spark_arrow_schema(schema))
+
+    def streamWriter(self, schema: StructType, overwrite: bool) -> Any:
+        """``writeStream``: the stream's sink (spark/stream.py). Driver workers, per batch."""
+        from .stream import stream_writer
+
+        return stream_writer(self.options, spark_arrow_schema(schema))
 
     def writer(self, schema: StructType, overwrite: bool) -> Any:
         """Agree on a transfer over the code (waits for the reader); the task-side sender.
@@ -321,7 +376,7 @@ def _early_lanes(setting: str) -> bool:
 
 def _transfer_options(options: Mapping[str, str], settings: ReadSettings) -> Any:
     opts = {k.lower(): v for k, v in options.items()}
-    transfer = TransferOptions.from_strings(opts, ignore=FILE_ONLY_OPTIONS)
+    transfer = TransferOptions.from_strings(opts, ignore=FILE_ONLY_OPTIONS + STREAM_READ_OPTIONS)
     if settings.timeout is not None and "peer_timeout" not in opts:
         transfer = transfer.with_(peer_timeout=settings.timeout)
     return transfer

@@ -44,12 +44,45 @@ from ..rules.pairing import (
     revocation,
     seal_bytes,
 )
+from ..rules.protocol import error_message
 from .record import load_record, save_record
 
 log = logging.getLogger(__name__)
 
 _DILATE = re.compile(r"dilate-(\d+)")
 STREAM_PROTOCOL = "spark-dilation/stream"  # our entry in the first session's app_versions
+
+
+def stream_versions(role: str, schema: str | None = None) -> dict[str, Any]:
+    """Our ``app_versions`` entry for a stream's first session, as ``role``."""
+    mine: dict[str, Any] = {"version": 1, "role": role}
+    if role == SENDER and schema is not None:
+        mine["schema"] = schema
+    return {STREAM_PROTOCOL: mine}
+
+
+def record_from_session(
+    key: bytes,
+    role: str,
+    mailbox_url: str,
+    code: str,
+    versions: dict[str, Any],
+    schema: str | None = None,
+) -> PairingRecord:
+    """The record a side keeps after the first session, from the peer's versions;
+    PairingError if the peer is not the other role of a stream."""
+    peer = versions.get(STREAM_PROTOCOL)
+    if not isinstance(peer, dict) or peer.get("role") not in ROLES:
+        raise PairingError(
+            f"the other side of the code {code} is not a spark-dilation stream "
+            f"{'receiver' if role == SENDER else 'sender'}"
+        )
+    if peer["role"] == role:
+        raise PairingError(
+            f"the other side of the code {code} is another stream {role}: two {role}s used "
+            "one code. Start the stream again with a new code"
+        )
+    return new_record(key, role, mailbox_url, schema if role == SENDER else peer.get("schema"))
 
 
 async def pair_over_code(
@@ -67,10 +100,14 @@ async def pair_over_code(
     """A stream's first run: meet the peer over the human code (allocated when ``code``
     is None, then told to ``on_code``) and write the record both sides derive.
 
-    The sender names the stream's schema (base64 Arrow IPC) in its version message,
-    so the receiver's record holds it. Waits at most ``timeout`` for the peer.
+    The session uses the ``wormhole`` CLI's appid, as a dataset's does, so a
+    Spark source opens a code without knowing whether a stream or a dataset
+    comes (``receive_session`` pairs a stream too). The sender names the
+    stream's schema (base64 Arrow IPC) in its version message, so the
+    receiver's record holds it. Waits at most ``timeout`` for the peer.
     """
     from ...wormhole.client import Wormhole
+    from .session import SESSION_APPID
 
     if role not in ROLES:
         raise ValueError(f"role is one of {ROLES}, not {role!r}")
@@ -80,14 +117,11 @@ async def pair_over_code(
             f"{record_path} already pairs this side of stream {existing.stream}: resume it "
             "with no code, or revoke it and remove the file to pair again"
         )
-    mine: dict[str, Any] = {"version": 1, "role": role}
-    if role == SENDER and schema is not None:
-        mine["schema"] = schema
     w = Wormhole(
-        STREAM_APPID,
+        SESSION_APPID,
         mailbox_url,
         reactor,
-        app_versions={STREAM_PROTOCOL: mine},
+        app_versions=stream_versions(role, schema),
         timeout=timeout,
         timeout_option=timeout_option,
     )
@@ -100,17 +134,12 @@ async def pair_over_code(
         if on_code is not None:
             on_code(code)
         await w.get_verifier()
-        peer = (await w.get_versions()).get(STREAM_PROTOCOL)
-        if not isinstance(peer, dict) or peer.get("role") not in ROLES:
-            raise PairingError(f"the other side of the code {code} is not a spark-dilation stream")
-        if peer["role"] == role:
-            raise PairingError(
-                f"the other side of the code {code} is another stream {role}: two {role}s used "
-                "one code. Start the stream again with a new code"
-            )
-        record = new_record(
-            w.shared_key, role, mailbox_url, schema if role == SENDER else peer.get("schema")
-        )
+        versions = await w.get_versions()
+        try:
+            record = record_from_session(w.shared_key, role, mailbox_url, code, versions, schema)
+        except PairingError as e:
+            w.send_message(error_message(str(e)))
+            raise
         save_record(record_path, record)
     except BaseException:
         with contextlib.suppress(Exception):

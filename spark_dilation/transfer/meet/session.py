@@ -31,6 +31,7 @@ from ..machine import space_refusal
 from ..rules import pqformat
 from ..rules.errors import ProtocolError, SessionTimeout
 from ..rules.options import TransferOptions
+from ..rules.pairing import RECEIVER, PairingRecord
 from ..rules.protocol import (
     PROTOCOL,
     SESSION_RECEIVER,
@@ -45,6 +46,7 @@ from ..rules.protocol import (
     transfer_secret,
 )
 from ..rules.spec import TransferSpec
+from .record import save_record
 
 log = logging.getLogger(__name__)
 
@@ -289,25 +291,29 @@ def receive_session(
     file_dest: Path | None = None,
     accept_file: bool = True,
     room: Sequence[Path] = (),
-) -> TransferSpec | ReceivedFileResult:
-    """Open ``code`` and agree on a dataset transfer, or receive the file it carries.
+    stream_record: Path | None = None,
+) -> TransferSpec | ReceivedFileResult | PairingRecord:
+    """Open ``code`` and agree on a dataset transfer, or receive the file it carries,
+    or pair as the receiver of the stream it carries.
 
     ``file_dest``: where a plain file goes (required to accept one); ``room``:
-    see :func:`accept_offer`.
+    see :func:`accept_offer`; ``stream_record``: where a stream's pairing record
+    goes (required to accept a stream).
     """
     from ...transit.connector import TransitConnector
     from ...transit.filetransfer import ReceivedFile, receive
     from ...wormhole.client import Wormhole
+    from .resume import STREAM_PROTOCOL, record_from_session, stream_versions
 
     ensure_reactor()
 
-    async def run() -> TransferSpec | ReceivedFileResult:
+    async def run() -> TransferSpec | ReceivedFileResult | PairingRecord:
         reactor = _reactor()
         w = Wormhole(
             SESSION_APPID,
             options.mailbox_url,
             reactor,
-            app_versions=session_versions(SESSION_RECEIVER),
+            app_versions={**session_versions(SESSION_RECEIVER), **stream_versions(RECEIVER)},
             timeout=options.peer_timeout,
             timeout_option=options.spelled("peer_timeout"),
         )
@@ -315,6 +321,20 @@ def receive_session(
             w.set_code(code)
             await w.get_verifier()
             versions = await w.get_versions()
+            if STREAM_PROTOCOL in versions:
+                if stream_record is None:
+                    told = (
+                        "this code carries a spark-dilation stream: read it with "
+                        'spark.readStream.format("dilation").option("code", CODE).load()'
+                    )
+                    w.send_message(error_message(told))
+                    raise TransferError(told)
+                record = record_from_session(
+                    w.shared_key, RECEIVER, options.mailbox_url, code, versions
+                )
+                save_record(stream_record, record)
+                await w.close()
+                return record
             if PROTOCOL not in versions:
                 if not accept_file or file_dest is None:
                     raise TransferError("the sender offers a file, not a dataset")

@@ -17,6 +17,8 @@ from ...lazy import exports
 
 _EXPORTS = {
     "ReceivedFileResult": "..meet.session",
+    "StreamReceiver": ".streamreceiver",
+    "load_record": "..meet.record",
     "receive_session": "..meet.session",
     "read_lane": ".laneread",
     "start_lanes": ".laneread",

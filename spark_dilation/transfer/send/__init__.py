@@ -10,6 +10,7 @@ package loads no network stack.
 
 from __future__ import annotations
 
+from .streamclient import abort_batch, deliver_batch
 from .verbs import abort, agree, commit, send
 
-__all__ = ["abort", "agree", "commit", "send"]
+__all__ = ["abort", "abort_batch", "agree", "commit", "deliver_batch", "send"]

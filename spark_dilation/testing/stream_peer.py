@@ -1,0 +1,127 @@
+"""One side of a Spark-to-Spark stream, as its own Spark application (tests, benchmarks).
+
+::
+
+    python -m spark_dilation.testing.stream_peer generate --rows N --files K --out SRC
+    python -m spark_dilation.testing.stream_peer send --code C --mailbox URL --source SRC \\
+        --checkpoint CK --pairing DIR [--relay URL]
+    python -m spark_dilation.testing.stream_peer receive --code C --mailbox URL --out OUT \\
+        --checkpoint CK --pairing DIR --rows N [--relay URL]
+
+``generate`` writes N rows of every common Spark type (event time, nested
+columns; :data:`~.spark_peer.RICH_COLUMNS`) as K Parquet files. ``send``
+streams them, a file per micro-batch, into ``writeStream.format("dilation")``
+with Trigger.AvailableNow, and ends when every file is sent (staged on the
+receiving side). ``receive`` streams ``readStream.format("dilation")`` into
+Parquet files (Spark's file sink, exactly once by its own log) until OUT holds
+N rows. Either may be killed and run again with the same arguments: each
+resumes from its checkpoint and pairing, with no new code. Each prints one
+JSON line: ``{"side": ..., "rows": ..., "digest": [...]}``.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+import time
+from typing import Any
+
+from .spark_peer import RICH_COLUMNS, digest, session
+
+
+def main(argv: list[str] | None = None) -> int:
+    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    p.add_argument("side", choices=["generate", "send", "receive"])
+    p.add_argument("--code", default="")
+    p.add_argument("--mailbox", default="")
+    p.add_argument("--relay")
+    p.add_argument("--rows", type=int, default=0)
+    p.add_argument("--files", type=int, default=8)
+    p.add_argument("--source")
+    p.add_argument("--out")
+    p.add_argument("--checkpoint")
+    p.add_argument("--pairing")
+    p.add_argument("--master", default="local[2]")
+    p.add_argument("--timeout", type=float, default=600)
+    a = p.parse_args(argv)
+    spark = session(a.master, f"stream-{a.side}")
+    try:
+        result = {"generate": generate, "send": send, "receive": receive}[a.side](spark, a)
+    except Exception as e:  # one line for the test to read; Spark's own log has the rest
+        result = {"side": a.side, "error": f"{type(e).__name__}: {e}"}
+    print(json.dumps(result), flush=True)
+    spark.stop()
+    return 0 if "error" not in result else 1
+
+
+def generate(spark: Any, a: argparse.Namespace) -> dict[str, Any]:
+    df = spark.range(0, a.rows, numPartitions=a.files).selectExpr(*RICH_COLUMNS)
+    df.write.mode("overwrite").parquet(a.out)
+    return {"side": "generate", "rows": a.rows, "digest": digest(spark.read.parquet(a.out))}
+
+
+def _options(a: argparse.Namespace) -> dict[str, str]:
+    opts = {"code": a.code, "mailbox": a.mailbox, "pairing_dir": a.pairing}
+    if a.relay:
+        opts["relay"] = a.relay
+    return opts
+
+
+def send(spark: Any, a: argparse.Namespace) -> dict[str, Any]:
+    schema = spark.read.parquet(a.source).schema
+    stream = spark.readStream.schema(schema).option("maxFilesPerTrigger", 1).parquet(a.source)
+    query = (
+        stream.writeStream.format("dilation")
+        .options(**_options(a))
+        .option("checkpointLocation", a.checkpoint)
+        .trigger(availableNow=True)
+        .start()
+    )
+    query.awaitTermination(a.timeout)
+    if query.isActive:
+        query.stop()
+        raise TimeoutError(f"the sending query did not finish within {a.timeout:g} s")
+    if query.exception() is not None:
+        raise RuntimeError(str(query.exception()))
+    return {
+        "side": "send",
+        "batches": int(query.lastProgress["batchId"]) + 1 if query.lastProgress else 0,
+    }
+
+
+def receive(spark: Any, a: argparse.Namespace) -> dict[str, Any]:
+    stream = spark.readStream.format("dilation").options(**_options(a)).load()
+    query = (
+        stream.writeStream.format("parquet")
+        .option("path", a.out)
+        .option("checkpointLocation", a.checkpoint)
+        .trigger(processingTime="200 milliseconds")
+        .start()
+    )
+    deadline = time.monotonic() + a.timeout
+    rows = 0
+    while time.monotonic() < deadline:
+        if query.exception() is not None:
+            raise RuntimeError(str(query.exception()))
+        progress = query.recentProgress
+        if progress and any(p["numInputRows"] for p in progress):
+            rows = spark.read.parquet(a.out).count()
+            if rows >= a.rows:
+                break
+        time.sleep(1.0)
+    else:
+        query.stop()
+        raise TimeoutError(f"the receiving query had {rows} of {a.rows} rows after {a.timeout:g} s")
+    query.stop()
+    out = spark.read.parquet(a.out)
+    return {
+        "side": "receive",
+        "rows": out.count(),
+        "distinct_ids": out.select("id").distinct().count(),
+        "digest": digest(out),
+    }
+
+
+if __name__ == "__main__":
+    sys.exit(main())

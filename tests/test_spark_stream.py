@@ -1,0 +1,141 @@
+"""Structured Streaming between two Spark applications, killed and restarted.
+
+A sending application streams Parquet files (a file per micro-batch; event
+time and nested columns) into ``writeStream.format("dilation")``; a receiving
+one streams ``readStream.format("dilation")`` into Parquet. While rows move,
+the receiving application is SIGKILLed (its whole process group: driver JVM,
+Python workers) three times and the sending one once, and each is started
+again with the same arguments: no new code. At the end the receiver's rows
+equal the sender's by an order-independent digest, with every id once.
+
+The kill points are read from the receiving side's ledger (how many
+micro-batches it staged), not from timing.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+from typing import Any
+
+import pytest
+
+from spark_dilation.transfer.meet.record import load_record
+
+PEER = [sys.executable, "-m", "spark_dilation.testing.stream_peer"]
+ROWS = int(os.environ.get("SPARK_DILATION_STREAM_ROWS", "200000"))
+FILES = 24
+
+
+class App:
+    """One stream_peer application in a process group of its own (to kill it whole)."""
+
+    def __init__(self, side: str, folder: Path, *args: str) -> None:
+        self.side, self.folder = side, folder
+        self.log = folder / f"{side}.log"
+        with self.log.open("a") as log, (folder / f"{side}.out").open("w") as out:
+            self.proc = subprocess.Popen(
+                [*PEER, side, *args],
+                stdin=subprocess.DEVNULL,
+                stdout=out,
+                stderr=log,
+                start_new_session=True,
+                env={**os.environ, "PYSPARK_PYTHON": sys.executable},
+            )
+
+    def kill(self) -> None:
+        with_suppressed_lookup(lambda: os.killpg(self.proc.pid, signal.SIGKILL))
+        self.proc.wait()
+
+    def result(self, timeout: float) -> dict[str, Any]:
+        try:
+            self.proc.wait(timeout)
+        except subprocess.TimeoutExpired:
+            self.kill()
+            pytest.fail(f"the {self.side} application did not end in {timeout:g} s: {self.log}")
+        lines = (self.folder / f"{self.side}.out").read_text().splitlines()
+        assert lines, f"the {self.side} application printed nothing: {self.log}"
+        return json.loads(lines[-1])
+
+
+def with_suppressed_lookup(fn: Any) -> None:
+    try:
+        fn()
+    except ProcessLookupError:
+        pass
+
+
+def staged(pairing: Path) -> int:
+    """How many micro-batches the receiving side staged so far (its durable ledger)."""
+    try:
+        return json.loads((pairing / "ledger.json").read_text())["next_seq"]
+    except (OSError, ValueError):
+        return 0
+
+
+def wait_staged(pairing: Path, at_least: int, apps: list[App], timeout: float = 300) -> None:
+    deadline = time.monotonic() + timeout
+    while staged(pairing) < at_least:
+        for app in apps:
+            assert app.proc.poll() is None, f"the {app.side} application ended: {app.log}"
+        assert time.monotonic() < deadline, f"{at_least} micro-batches not staged in {timeout} s"
+        time.sleep(0.2)
+
+
+@pytest.mark.timeout(900)
+def test_stream_survives_kills_of_both_applications_exactly_once(
+    mailbox_url: str, relay_url: str, tmp_path: Path
+) -> None:
+    code = "41-stream-restarts"
+    common = ["--code", code, "--mailbox", mailbox_url, "--relay", relay_url]
+    src = tmp_path / "src"
+    gen = App("generate", tmp_path, "--rows", str(ROWS), "--files", str(FILES), "--out", str(src))
+    expected = gen.result(300)
+    assert expected.get("rows") == ROWS, expected
+
+    r_pairing, s_pairing = tmp_path / "r-pairing", tmp_path / "s-pairing"
+    receive_args = [
+        *common,
+        "--out",
+        str(tmp_path / "out"),
+        "--checkpoint",
+        str(tmp_path / "r-ck"),
+        "--pairing",
+        str(r_pairing),
+        "--rows",
+        str(ROWS),
+    ]
+    send_args = [
+        *common,
+        "--source",
+        str(src),
+        "--checkpoint",
+        str(tmp_path / "s-ck"),
+        "--pairing",
+        str(s_pairing),
+    ]
+    receiver = App("receive", tmp_path, *receive_args)
+    sender = App("send", tmp_path, *send_args)
+
+    # The receiving application dies three times, each after more batches arrived.
+    for at in (3, 7, 11):
+        wait_staged(r_pairing, at, [receiver, sender])
+        receiver.kill()
+        receiver = App("receive", tmp_path, *receive_args)
+    wait_staged(r_pairing, 15, [receiver, sender])
+    sender.kill()
+    sender = App("send", tmp_path, *send_args)
+
+    sent, got = sender.result(600), receiver.result(600)
+    assert "error" not in sent, sent
+    assert "error" not in got, got
+    assert got["rows"] == ROWS and got["distinct_ids"] == ROWS, got
+    assert got["digest"] == expected["digest"]
+    # Restarts met with no code: each side's runs counted on its record.
+    assert load_record(r_pairing / "pairing.json").incarnation == 4
+    assert load_record(s_pairing / "pairing.json").incarnation == 2
