@@ -217,6 +217,14 @@ def build_parser() -> argparse.ArgumentParser:
     demo.add_argument("--no-spark", action="store_true", help="skip the Spark part")
     # Hidden: the test suite runs the demo with fewer rows.
     demo.add_argument("--rows", type=int, default=None, help=argparse.SUPPRESS)
+    revoke = sub.add_parser(
+        "revoke",
+        help="revoke a stream's pairing: neither side can resume it, the other side's query ends",
+        parents=verbosity,
+    )
+    revoke.add_argument("pairing", metavar="PAIRING", help="the pairing folder or its pairing.json")
+    revoke.add_argument("--reason", help="told to the other side")
+    _add_timeout(revoke)
     cleanup.add_parser(sub)
     return parser
 
@@ -264,6 +272,8 @@ def main(argv: Sequence[str] | None = None) -> int:
         )
     if args.command == "cleanup":
         return cleanup.run(args)
+    if args.command == "revoke":
+        return _revoke(args)
     if args.command == "demo":
         from .demo import run
 
@@ -287,6 +297,32 @@ def main(argv: Sequence[str] | None = None) -> int:
     reporter = Reporter(pick_mode(args.quiet, args.json, sys.stderr))
     command = {"send": send, "receive": receive}[args.command]
     return run_command(command, args, reporter)
+
+
+def _revoke(args: argparse.Namespace) -> int:
+    from .transfer.api import revoke_stream
+    from .transfer.api.streams import record_path
+    from .transfer.meet.record import load_record
+
+    try:
+        record = load_record(record_path(args.pairing))
+        if record is None:
+            return _usage_error("revoke", f"no pairing record at {record_path(args.pairing)}")
+        confirmed = revoke_stream(args.pairing, args.reason or "", args.timeout or 30.0)
+    except DilationError as e:
+        print(f"spark-dilation: error: {e}", file=sys.stderr)
+        return EXIT_ERROR
+    print(
+        f"revoked stream {record.stream} (this side: the {record.role}); neither side can "
+        "resume it: pair again with a new code"
+    )
+    if not confirmed:
+        print(
+            f"spark-dilation: the mailbox server {record.mailbox} did not confirm in time: the "
+            f"{record.peer_role} learns it when it next reaches the server",
+            file=sys.stderr,
+        )
+    return 0
 
 
 def _importable(module: str) -> bool:

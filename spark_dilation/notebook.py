@@ -49,7 +49,17 @@ from typing import Any
 
 from .errors import TransferCancelledError
 
-__all__ = ["SendHandle", "SendProgress", "make_up_code", "receive", "send"]
+__all__ = [
+    "SendHandle",
+    "SendProgress",
+    "StreamHandle",
+    "make_up_code",
+    "receive",
+    "receive_stream",
+    "revoke_stream",
+    "send",
+    "stream",
+]
 
 MAILBOX_ENV = "SPARK_DILATION_MAILBOX"
 RELAY_ENV = "SPARK_DILATION_RELAY"
@@ -419,3 +429,77 @@ def receive(spark: Any, code: str, **options: Any) -> Any:
     return (
         spark.read.format("dilation").option("code", code).options(**_spark_options(options)).load()
     )
+
+
+# --- streams (docs/transfer.md section 7) ------------------------------------------------------
+
+
+@dataclass
+class StreamHandle:
+    """A sending stream: its code (tell the receiver) and its Spark ``StreamingQuery``."""
+
+    code: str
+    query: Any
+
+    def stop(self) -> None:
+        """Stop the sending query; the pairing stays, and the same call resumes it."""
+        self.query.stop()
+
+    def __repr__(self) -> str:
+        status = self.query.status.get("message", "") if self.query.isActive else "stopped"
+        return f"<stream {self.code}: {status}>"
+
+    def _repr_html_(self) -> str:
+        return f"<b>stream</b> <code>{html.escape(self.code)}</code>: {html.escape(repr(self))}"
+
+
+def stream(
+    df: Any, code: str | None = None, checkpoint: str | None = None, **options: Any
+) -> StreamHandle:
+    """Send a streaming DataFrame: ``df.writeStream.format("dilation")...start()``.
+
+    ``code``: made up when omitted (the handle has it; tell the receiver).
+    ``checkpoint``: the query's ``checkpointLocation``, where its pairing
+    record lives too; run the same call again after a restart and it resumes
+    with no new code. ``options``: see ``conf/options.md``, "Streams"
+    (``trigger=`` goes to ``DataStreamWriter.trigger(**trigger)``).
+    """
+    from .spark.register import register
+
+    register(df.sparkSession)
+    code = code or make_up_code()
+    trigger = options.pop("trigger", None)
+    writer = df.writeStream.format("dilation").option("code", code)
+    writer = writer.options(**_spark_options(options))
+    if checkpoint is not None:
+        writer = writer.option("checkpointLocation", checkpoint)
+    if trigger:
+        writer = writer.trigger(**trigger)
+    return StreamHandle(code, writer.start())
+
+
+def receive_stream(spark: Any, code: str, **options: Any) -> Any:
+    """The streaming DataFrame of the stream sent with ``code``:
+    ``spark.readStream.format("dilation").option("code", code)...load()``.
+
+    ``load()`` pairs with the sending query (the first time) and returns with
+    the sender's schema; write it anywhere with ``writeStream``.
+    """
+    from .spark.register import register
+
+    register(spark)
+    reader = spark.readStream.format("dilation").option("code", code)
+    return reader.options(**_spark_options(options)).load()
+
+
+def revoke_stream(pairing: str, reason: str = "", timeout: float = 30.0) -> bool:
+    """Revoke a stream's pairing (``pairing``: the folder or its ``pairing.json``).
+
+    Neither side can resume afterwards; the other side's running query ends
+    saying so. Returns whether the mailbox server confirmed it within
+    ``timeout`` (if not, this side is revoked and the other learns it when it
+    next reaches the server).
+    """
+    from .transfer.api import revoke_stream as revoke
+
+    return revoke(pairing, reason, timeout)

@@ -113,7 +113,8 @@ def parser_flags() -> dict[str, dict[str, object]]:
     (sub,) = [a for a in parser._actions if isinstance(a, argparse._SubParsersAction)]
     flags: dict[str, dict[str, object]] = {}
     for command, subparser in sub.choices.items():
-        parsed = vars(parser.parse_args([command]))
+        positional = ["PAIRING"] if command == "revoke" else []  # its one required argument
+        parsed = vars(parser.parse_args([command, *positional]))
         for action in subparser._actions:
             longs = [o for o in action.option_strings if o.startswith("--")]
             if not longs or action.help == argparse.SUPPRESS or longs[0] == "--help":

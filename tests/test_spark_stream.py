@@ -30,6 +30,7 @@ from spark_dilation.transfer.meet.record import load_record
 PEER = [sys.executable, "-m", "spark_dilation.testing.stream_peer"]
 ROWS = int(os.environ.get("SPARK_DILATION_STREAM_ROWS", "200000"))
 FILES = 24
+MAX_ROWS = 2 * ROWS // FILES + 1  # maxRecordsPerTrigger: two sent micro-batches a trigger
 
 
 class App:
@@ -109,6 +110,8 @@ def test_stream_survives_kills_of_both_applications_exactly_once(
         str(r_pairing),
         "--rows",
         str(ROWS),
+        "--max-rows",
+        str(MAX_ROWS),
     ]
     send_args = [
         *common,
@@ -136,6 +139,32 @@ def test_stream_survives_kills_of_both_applications_exactly_once(
     assert "error" not in got, got
     assert got["rows"] == ROWS and got["distinct_ids"] == ROWS, got
     assert got["digest"] == expected["digest"]
+    assert 0 < got["largest_batch"] <= MAX_ROWS, got  # admission control, whole batches
     # Restarts met with no code: each side's runs counted on its record.
     assert load_record(r_pairing / "pairing.json").incarnation == 4
     assert load_record(s_pairing / "pairing.json").incarnation == 2
+
+    # The receiving side revokes the pairing: neither side can resume, each says why.
+    revoke = subprocess.run(
+        [
+            sys.executable,
+            "-m",
+            "spark_dilation.cli",
+            "revoke",
+            str(r_pairing),
+            "--reason",
+            "rotating keys",
+        ],
+        capture_output=True,
+        text=True,
+        timeout=120,
+    )
+    assert revoke.returncode == 0, revoke.stderr
+    assert "revoked stream" in revoke.stdout and "new code" in revoke.stdout
+    more = sorted(src.glob("*.parquet"))[0]
+    (src / "part-more.parquet").write_bytes(more.read_bytes())  # a batch for the sender to send
+    sender = App("send", tmp_path, *send_args)
+    receiver = App("receive", tmp_path, *receive_args)
+    sent, got = sender.result(300), receiver.result(300)
+    assert "the receiver revoked this stream's pairing: rotating keys" in sent["error"], sent
+    assert "revoked (rotating keys)" in got["error"], got

@@ -219,6 +219,7 @@ class DilationDataSource(DataSource):
         stream_dir = pairing_dir(self.options, "receiver")
         record = load_record(stream_dir / RECORD_NAME)
         if record is not None:
+            record.next_run()  # a revoked pairing says so here, before Spark plans anything
             self._stream = stream_schema(record, stream_dir)
             return to_spark_schema(self._stream)
         assert settings.code is not None

@@ -44,6 +44,7 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--pairing")
     p.add_argument("--master", default="local[2]")
     p.add_argument("--timeout", type=float, default=600)
+    p.add_argument("--max-rows", type=int, help="receive: option maxRecordsPerTrigger")
     a = p.parse_args(argv)
     spark = session(a.master, f"stream-{a.side}")
     try:
@@ -91,7 +92,10 @@ def send(spark: Any, a: argparse.Namespace) -> dict[str, Any]:
 
 
 def receive(spark: Any, a: argparse.Namespace) -> dict[str, Any]:
-    stream = spark.readStream.format("dilation").options(**_options(a)).load()
+    reader = spark.readStream.format("dilation").options(**_options(a))
+    if a.max_rows:
+        reader = reader.option("maxRecordsPerTrigger", a.max_rows)
+    stream = reader.load()
     query = (
         stream.writeStream.format("parquet")
         .option("path", a.out)
@@ -113,10 +117,12 @@ def receive(spark: Any, a: argparse.Namespace) -> dict[str, Any]:
     else:
         query.stop()
         raise TimeoutError(f"the receiving query had {rows} of {a.rows} rows after {a.timeout:g} s")
+    largest = max((p["numInputRows"] for p in query.recentProgress), default=0)
     query.stop()
     out = spark.read.parquet(a.out)
     return {
         "side": "receive",
+        "largest_batch": largest,
         "rows": out.count(),
         "distinct_ids": out.select("id").distinct().count(),
         "digest": digest(out),

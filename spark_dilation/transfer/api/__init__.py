@@ -29,6 +29,7 @@ from .progress import PROGRESS_INTERVAL, ProgressCallback, confirmed_rows
 from .receive import ReceivedDataset, receive_agreed, receive_dataset, receive_table
 from .send import DatasetSender, send_dataset, send_in_background
 from .sources import Source, total_rows
+from .streams import revoke_stream
 
 __all__ = [
     "PROGRESS_INTERVAL",
@@ -45,6 +46,7 @@ __all__ = [
     "receive_agreed",
     "receive_dataset",
     "receive_table",
+    "revoke_stream",
     "send_dataset",
     "send_in_background",
     "total_rows",

@@ -31,6 +31,7 @@ from ...wormhole.core import InOrder
 from ...wormhole.standing import GotPosted
 from ...wormhole.standingclient import StandingClient
 from ..rules.pairing import (
+    REVOKED_PHASE,
     ROLES,
     SENDER,
     STREAM_APPID,
@@ -148,6 +149,44 @@ async def pair_over_code(
     with contextlib.suppress(Exception):  # paired: a close the server does not confirm is nothing
         await w.close()
     return record
+
+
+async def revoke_pairing(
+    reactor: Any, record_path: str | Path, reason: str = "", timeout: float = 30.0
+) -> tuple[PairingRecord, bool]:
+    """Revoke a stream's pairing from this side's record: marked here first (no run of
+    this side resumes), then told to the peer's runs through the standing mailbox.
+
+    Returns the record and whether the mailbox server confirmed the message within
+    ``timeout`` (if not, the peer learns it when both reach the server; its runs
+    cannot pair with this side meanwhile anyway).
+    """
+    record = load_record(record_path)
+    if record is None:
+        raise PairingError(f"no pairing record at {record_path}")
+    first = record.revoked is None
+    revoked = replace(record, revoked=reason or record.revoked or "revoked")
+    if first:
+        save_record(record_path, revoked)
+    told: defer.Deferred = defer.Deferred()
+
+    def posted(msg: GotPosted) -> None:
+        if msg.side == record.side and msg.phase == REVOKED_PHASE and not told.called:
+            told.callback(True)
+
+    client = StandingClient(
+        STREAM_APPID, record.mailbox, reactor, record.side, record.nameplate, posted
+    )
+    client.post(*revocation(record, revoked.revoked or ""))
+    timer = reactor.callLater(timeout, lambda: told.called or told.callback(False))
+    confirmed = await told
+    if timer.active():
+        timer.cancel()
+    if confirmed:
+        await client.close()
+    else:
+        await client.stop()
+    return revoked, confirmed
 
 
 class PairChannel:
