@@ -66,7 +66,8 @@ OLDEST_TESTS   = tests/test_pyspark_version.py \
 	tests/test_spark_transfer.py::test_spark_to_spark_all_types_exact \
 	tests/test_spark_transfer.py::test_python_table_and_parquet_into_spark \
 	tests/test_spark_connect.py::test_register_on_a_classic_session_is_idempotent \
-	tests/test_spark_connect.py::test_classic_writer_to_connect_reader
+	tests/test_spark_connect.py::test_classic_writer_to_connect_reader \
+	tests/test_spark_stream.py::test_a_small_stream_arrives_exactly
 
 venv-oldest: $(OLDEST_STAMP)
 

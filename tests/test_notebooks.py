@@ -83,3 +83,30 @@ def test_the_sender_and_receiver_notebooks_move_a_dataframe(
     assert f"<code>{code}</code>" in shown
     assert "done" in shown
     assert "50,000 rows" in outputs_text(receiver)
+
+
+def test_the_stream_notebook_streams_restarts_and_revokes(
+    tmp_path, monkeypatch, mailbox_url, relay_url
+):
+    monkeypatch.setenv("SPARK_DILATION_MAILBOX", mailbox_url)
+    monkeypatch.setenv("SPARK_DILATION_RELAY", relay_url)
+    monkeypatch.setenv("SPARK_DILATION_CODE", make_up_code())
+    monkeypatch.setenv("STREAM_DEMO_DIR", str(tmp_path / "demo"))
+    monkeypatch.setenv("PYSPARK_PYTHON", sys.executable)
+    monkeypatch.setenv("SPARK_LOCAL_IP", "127.0.0.1")
+    monkeypatch.delenv("SPARK_MASTER", raising=False)
+    nb = with_cell(
+        "stream_between_clusters.ipynb",
+        "assert df.count() == df.select('id').distinct().count() >= 10000\n"
+        "from spark_dilation.transfer.meet.record import load_record\n"
+        "r = load_record(f'{work}/receiver-pairing/pairing.json')\n"
+        "print('receiver runs:', r.incarnation, 'revoked:', r.revoked)",
+    )
+    NotebookClient(
+        nb, timeout=400, kernel_name="python3", resources={"metadata": {"path": tmp_path}}
+    ).execute()
+    shown = outputs_text(nb)
+    assert "tell the receiver:" in shown
+    assert "rows received after the restart" in shown
+    assert "receiver runs: 2 revoked: demo over" in shown
+    assert "confirmed by the mailbox server: True" in shown

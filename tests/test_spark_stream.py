@@ -161,10 +161,101 @@ def test_stream_survives_kills_of_both_applications_exactly_once(
     )
     assert revoke.returncode == 0, revoke.stderr
     assert "revoked stream" in revoke.stdout and "new code" in revoke.stdout
-    more = sorted(src.glob("*.parquet"))[0]
-    (src / "part-more.parquet").write_bytes(more.read_bytes())  # a batch for the sender to send
+    files = sorted(src.glob("*.parquet"))
+    (src / "part-more.parquet").write_bytes(files[0].read_bytes())  # a batch to send
     sender = App("send", tmp_path, *send_args)
     receiver = App("receive", tmp_path, *receive_args)
     sent, got = sender.result(300), receiver.result(300)
     assert "the receiver revoked this stream's pairing: rotating keys" in sent["error"], sent
     assert "revoked (rotating keys)" in got["error"], got
+
+
+@pytest.mark.timeout(600)
+def test_a_small_stream_arrives_exactly(mailbox_url: str, relay_url: str, tmp_path: Path) -> None:
+    """The sink and the source on whatever PySpark runs (`make test-oldest`: 4.0, where
+    the sink's tasks get Rows and Spark gives the source no read limit)."""
+    common = ["--code", "42-stream-small", "--mailbox", mailbox_url, "--relay", relay_url]
+    src = tmp_path / "src"
+    expected = App("generate", tmp_path, "--rows", "6000", "--files", "3", "--out", str(src))
+    expected = expected.result(300)
+    receiver = App(
+        "receive",
+        tmp_path,
+        *common,
+        "--out",
+        str(tmp_path / "out"),
+        "--checkpoint",
+        str(tmp_path / "r-ck"),
+        "--pairing",
+        str(tmp_path / "r"),
+        "--rows",
+        "6000",
+    )
+    sent = App(
+        "send",
+        tmp_path,
+        *common,
+        "--source",
+        str(src),
+        "--checkpoint",
+        str(tmp_path / "s-ck"),
+        "--pairing",
+        str(tmp_path / "s"),
+    ).result(300)
+    got = receiver.result(300)
+    assert "error" not in sent and "error" not in got, (sent, got)
+    assert sent["batches"] == 3
+    assert got["rows"] == got["distinct_ids"] == 6000
+    assert got["digest"] == expected["digest"]
+
+
+@pytest.mark.timeout(600)
+def test_available_now_reads_what_is_staged_then_ends(
+    mailbox_url: str, relay_url: str, tmp_path: Path
+) -> None:
+    """PySpark 4.2+: a receiving query that reads one sent batch a trigger falls behind
+    the sender and stops; one with Trigger.AvailableNow reads the rest and ends by itself."""
+    common = ["--code", "43-stream-now", "--mailbox", mailbox_url, "--relay", relay_url]
+    src = tmp_path / "src"
+    expected = App("generate", tmp_path, "--rows", "6000", "--files", "3", "--out", str(src))
+    expected = expected.result(300)
+    receive_args = [
+        *common,
+        "--out",
+        str(tmp_path / "out"),
+        "--checkpoint",
+        str(tmp_path / "r-ck"),
+        "--pairing",
+        str(tmp_path / "r"),
+        "--rows",
+        "6000",
+    ]
+    slow = App(
+        "receive",
+        tmp_path,
+        *receive_args,
+        "--max-rows",
+        "1",
+        "--stop-when-staged",
+        "3",
+        "--trigger-seconds",
+        "3",
+    )
+    sent = App(
+        "send",
+        tmp_path,
+        *common,
+        "--source",
+        str(src),
+        "--checkpoint",
+        str(tmp_path / "s-ck"),
+        "--pairing",
+        str(tmp_path / "s"),
+    ).result(300)
+    behind = slow.result(300)
+    assert "error" not in sent and "error" not in behind, (sent, behind)
+    assert behind["rows"] < 6000, behind  # one batch a trigger: it fell behind
+    now = App("receive", tmp_path, *receive_args, "--available-now").result(300)
+    assert "error" not in now, now
+    assert now["rows"] == now["distinct_ids"] == 6000
+    assert now["digest"] == expected["digest"]

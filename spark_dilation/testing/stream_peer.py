@@ -23,6 +23,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import os
 import sys
 import time
 from typing import Any
@@ -45,6 +46,16 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--master", default="local[2]")
     p.add_argument("--timeout", type=float, default=600)
     p.add_argument("--max-rows", type=int, help="receive: option maxRecordsPerTrigger")
+    p.add_argument(
+        "--available-now", action="store_true", help="receive: Trigger.AvailableNow, then end"
+    )
+    p.add_argument("--trigger-seconds", type=float, default=0.2, help="receive: trigger interval")
+    p.add_argument(
+        "--stop-when-staged",
+        type=int,
+        help="receive: stop once the stream's ledger staged this many sent batches "
+        "(whatever was read by then)",
+    )
     a = p.parse_args(argv)
     spark = session(a.master, f"stream-{a.side}")
     try:
@@ -96,27 +107,22 @@ def receive(spark: Any, a: argparse.Namespace) -> dict[str, Any]:
     if a.max_rows:
         reader = reader.option("maxRecordsPerTrigger", a.max_rows)
     stream = reader.load()
+    every = f"{int(a.trigger_seconds * 1000)} milliseconds"
+    trigger = {"availableNow": True} if a.available_now else {"processingTime": every}
     query = (
         stream.writeStream.format("parquet")
         .option("path", a.out)
         .option("checkpointLocation", a.checkpoint)
-        .trigger(processingTime="200 milliseconds")
+        .trigger(**trigger)
         .start()
     )
-    deadline = time.monotonic() + a.timeout
-    rows = 0
-    while time.monotonic() < deadline:
+    if a.available_now:  # it reads what is staged now, then ends by itself
+        if not query.awaitTermination(a.timeout):
+            raise TimeoutError(f"Trigger.AvailableNow did not end within {a.timeout:g} s")
         if query.exception() is not None:
             raise RuntimeError(str(query.exception()))
-        progress = query.recentProgress
-        if progress and any(p["numInputRows"] for p in progress):
-            rows = spark.read.parquet(a.out).count()
-            if rows >= a.rows:
-                break
-        time.sleep(1.0)
     else:
-        query.stop()
-        raise TimeoutError(f"the receiving query had {rows} of {a.rows} rows after {a.timeout:g} s")
+        _until_enough(spark, query, a)
     largest = max((p["numInputRows"] for p in query.recentProgress), default=0)
     query.stop()
     out = spark.read.parquet(a.out)
@@ -127,6 +133,34 @@ def receive(spark: Any, a: argparse.Namespace) -> dict[str, Any]:
         "distinct_ids": out.select("id").distinct().count(),
         "digest": digest(out),
     }
+
+
+def _until_enough(spark: Any, query: Any, a: argparse.Namespace) -> None:
+    """Until OUT holds ``--rows`` rows, or (``--stop-when-staged``) the ledger staged that
+    many sent batches and something was read."""
+    deadline = time.monotonic() + a.timeout
+    rows = 0
+    while time.monotonic() < deadline:
+        if query.exception() is not None:
+            raise RuntimeError(str(query.exception()))
+        if any(p["numInputRows"] for p in query.recentProgress):
+            rows = spark.read.parquet(a.out).count()
+            if rows >= a.rows:
+                return
+            if a.stop_when_staged is not None and _staged(a.pairing) >= a.stop_when_staged:
+                return
+        time.sleep(1.0)
+    query.stop()
+    raise TimeoutError(f"the receiving query had {rows} of {a.rows} rows after {a.timeout:g} s")
+
+
+def _staged(pairing: str) -> int:
+    """Sent batches the receiving side staged so far (its ledger, written whole)."""
+    try:
+        with open(os.path.join(pairing, "ledger.json")) as f:
+            return int(json.load(f)["next_seq"])
+    except (OSError, ValueError, KeyError):
+        return 0
 
 
 if __name__ == "__main__":

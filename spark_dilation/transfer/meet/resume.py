@@ -269,7 +269,13 @@ class StreamLink:
         self.dilated: DilatedWormhole | None = None
         self._ahead: list[GotPosted] = []
         self.client = StandingClient(
-            STREAM_APPID, record.mailbox, reactor, record.side, record.nameplate, self._posted
+            STREAM_APPID,
+            record.mailbox,
+            reactor,
+            record.side,
+            record.nameplate,
+            self._posted,
+            on_failed=self._failed,
         )
         self.client.keep(*hello(self.record))
 
@@ -288,6 +294,11 @@ class StreamLink:
         self.client.post(*revocation(self.record, reason))
         save_record(self.path, replace(self.record, revoked=reason or "revoked"))
         return self.client.close()
+
+    def _failed(self, error: Exception) -> None:
+        """The mailbox server refused this run (an error it sent): it cannot pair."""
+        self._end_pair()
+        self._on_ended(PairingError(f"the mailbox server {self.record.mailbox} refused: {error}"))
 
     def _posted(self, msg: GotPosted) -> None:
         name = self.meeting.accepts(msg.phase)
