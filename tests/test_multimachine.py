@@ -437,3 +437,59 @@ def test_worker_killed_mid_transfer(net_clusters: NetClusters) -> None:
     assert reader.step("stop")["action"] == "stop"
     reader.proc.wait(120)
     wait_until("the lane hosts to exit", lambda: not _lane_hosts(nc.b), 30)
+
+
+def test_stream_between_clusters_survives_a_reader_kill(net_clusters: NetClusters) -> None:
+    """Structured Streaming from cluster A to cluster B (relay only): the sink's commit
+    runs on A's driver machine, the source's run on B's, tasks on the workers. The
+    receiving application is SIGKILLed mid-stream and started again with the same
+    arguments (no new code): every row arrives once, by the content digest."""
+    nc = net_clusters
+    nc.relay_only()
+    folder = nc.log_dir / "stream"
+    folder.mkdir(exist_ok=True)
+    peer = [PY, "-m", "spark_dilation.testing.stream_peer"]
+    common = ["--code", "12-stream-clusters", "--mailbox", nc.mailbox_url, "--relay", nc.relay_url]
+    rows, src = 100_000, folder / "src"
+
+    def app(cluster: Cluster, side: str, *args: str) -> Any:
+        return _driver(
+            nc,
+            cluster,
+            [*peer, side, "--master", cluster.master_url, *args],
+            folder / f"{side}.log",
+        )
+
+    generated = app(nc.a, "generate", "--rows", str(rows), "--files", "12", "--out", str(src))
+    assert generated.wait(300) == 0, _tail(folder / "generate.log")
+    expected = _json_line(folder / "generate.log", "side")
+    pairing = folder / "r-pairing"
+    receive_args = [
+        *common, "--out", str(folder / "out"), "--checkpoint", str(folder / "r-ck"),
+        "--pairing", str(pairing), "--rows", str(rows),
+    ]  # fmt: skip
+    receiver = app(nc.b, "receive", *receive_args)
+    sender = app(
+        nc.a, "send", *common, "--source", str(src), "--checkpoint", str(folder / "s-ck"),
+        "--pairing", str(folder / "s-pairing"),
+    )  # fmt: skip
+
+    def staged() -> int:
+        with contextlib.suppress(OSError, ValueError):
+            return json.loads((pairing / "ledger.json").read_text())["next_seq"]
+        return 0
+
+    def ended() -> str | None:
+        gone = [p for p in (sender, receiver) if p.poll() is not None]
+        return "an application ended" if gone else None
+
+    wait_until("4 micro-batches staged on cluster B", lambda: staged() >= 4, 300, stop_if=ended)
+    _kill_application(receiver)
+    receiver = app(nc.b, "receive", *receive_args)
+    assert sender.wait(600) == 0, _tail(folder / "send.log")
+    assert receiver.wait(600) == 0, _tail(folder / "receive.log")
+    got = _json_line(folder / "receive.log", "side")
+    assert got is not None and "error" not in got, _tail(folder / "receive.log")
+    assert got["rows"] == got["distinct_ids"] == rows, got
+    assert expected is not None and got["digest"] == expected["digest"]
+    wait_until("the stream host to exit", lambda: not _helpers(nc.a, "streamhost"), 30)

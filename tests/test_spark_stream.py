@@ -135,6 +135,9 @@ def test_stream_survives_kills_of_both_applications_exactly_once(
     sender = App("send", tmp_path, *send_args)
 
     sent, got = sender.result(600), receiver.result(600)
+    # The sending application's end reached the receiving one, which said so.
+    said = "the sending run ended; the stream waits for its next run"
+    assert said in (tmp_path / "receive.log").read_text(errors="replace")
     assert "error" not in sent, sent
     assert "error" not in got, got
     assert got["rows"] == ROWS and got["distinct_ids"] == ROWS, got
@@ -239,7 +242,7 @@ def test_available_now_reads_what_is_staged_then_ends(
         "--stop-when-staged",
         "3",
         "--trigger-seconds",
-        "3",
+        "10",
     )
     sent = App(
         "send",
@@ -255,6 +258,7 @@ def test_available_now_reads_what_is_staged_then_ends(
     behind = slow.result(300)
     assert "error" not in sent and "error" not in behind, (sent, behind)
     assert behind["rows"] < 6000, behind  # one batch a trigger: it fell behind
+    assert behind["largest_lag"] > 0, behind  # and its progress showed the lag
     now = App("receive", tmp_path, *receive_args, "--available-now").result(300)
     assert "error" not in now, now
     assert now["rows"] == now["distinct_ids"] == 6000

@@ -161,11 +161,15 @@ class _StreamSink:
         self.schema = schema
         self.pairing_dir = pairing_dir(opts, "sender")
         checkpoint = opts.get("checkpointlocation") or ""
+        if not checkpoint:
+            raise OptionError(
+                'option "checkpointLocation" is required by writeStream.format("dilation"): '
+                "the sending query resumes from it, and it names the query to the receiving "
+                "side (its batch ids are the stream's)"
+            )
         # The sending query's identity, as the receiving side's ledger knows it: a
         # new checkpoint is a new query, whose batch ids start again at 0.
-        self.query = hashlib.sha256(
-            (checkpoint or f"no checkpoint {os.getpid()} {id(self)}").encode()
-        ).hexdigest()[:16]
+        self.query = hashlib.sha256(checkpoint.encode()).hexdigest()[:16]
         options_ = transfer_options(opts, STREAM_WRITE_OPTIONS)
         self.start = {
             "code": (opts.get("code") or "").strip() or None,
@@ -180,6 +184,12 @@ class _StreamSink:
             },
         }
         record = self.pairing_dir / RECORD_NAME
+        if not record.exists() and _ran_before(checkpoint):
+            raise OptionError(
+                f"this sending query ran before (its checkpoint {checkpoint} has committed "
+                f"micro-batches) but no pairing record is at {record}: restore the record, or "
+                "start a new stream with a new code and a new checkpoint"
+            )
         if not record.exists() and self.start["code"] is None:
             raise OptionError(
                 f'option "code" is required for a stream\'s first run: no pairing record is at '
@@ -258,6 +268,14 @@ if DataSourceStreamArrowWriter is not None:
             partition, attempt = _task()
             rows, data = _ipc(self.schema, (cast_batch(b, self.schema) for b in iterator))
             return BatchPart(partition, attempt, rows, data)
+
+
+def _ran_before(checkpoint: str) -> bool:
+    """Whether a local checkpoint holds committed micro-batches (a restarted query)."""
+    if "://" in checkpoint and not checkpoint.startswith("file:"):
+        return False  # not ours to look into; the first-run path applies
+    commits = Path(checkpoint.removeprefix("file://").removeprefix("file:")) / "commits"
+    return commits.is_dir() and any(p.name.isdigit() for p in commits.iterdir())
 
 
 def stream_writer(options: Mapping[str, str], schema: pa.Schema) -> Any:

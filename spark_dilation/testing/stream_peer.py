@@ -124,11 +124,13 @@ def receive(spark: Any, a: argparse.Namespace) -> dict[str, Any]:
     else:
         _until_enough(spark, query, a)
     largest = max((p["numInputRows"] for p in query.recentProgress), default=0)
+    lag = max((_lag(p) for p in query.recentProgress), default=0)
     query.stop()
     out = spark.read.parquet(a.out)
     return {
         "side": "receive",
         "largest_batch": largest,
+        "largest_lag": lag,
         "rows": out.count(),
         "distinct_ids": out.select("id").distinct().count(),
         "digest": digest(out),
@@ -143,15 +145,32 @@ def _until_enough(spark: Any, query: Any, a: argparse.Namespace) -> None:
     while time.monotonic() < deadline:
         if query.exception() is not None:
             raise RuntimeError(str(query.exception()))
-        if any(p["numInputRows"] for p in query.recentProgress):
+        read = any(p["numInputRows"] for p in query.recentProgress)
+        if a.stop_when_staged is not None:  # cheap looks only: stop as soon as it holds
+            if read and _staged(a.pairing) >= a.stop_when_staged:
+                return
+            time.sleep(0.2)
+            continue
+        if read:
             rows = spark.read.parquet(a.out).count()
             if rows >= a.rows:
-                return
-            if a.stop_when_staged is not None and _staged(a.pairing) >= a.stop_when_staged:
                 return
         time.sleep(1.0)
     query.stop()
     raise TimeoutError(f"the receiving query had {rows} of {a.rows} rows after {a.timeout:g} s")
+
+
+def _lag(progress: dict[str, Any]) -> int:
+    """Staged sent batches not yet read, as a trigger's progress shows them."""
+    source = progress["sources"][0]
+
+    def seq(offset: Any) -> int:
+        value = json.loads(offset) if isinstance(offset, str) else offset
+        return int(value["seq"]) if isinstance(value, dict) else 0
+
+    if source.get("latestOffset") is None or source.get("endOffset") is None:
+        return 0
+    return seq(source["latestOffset"]) - seq(source["endOffset"])
 
 
 def _staged(pairing: str) -> int:

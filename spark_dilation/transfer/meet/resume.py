@@ -189,6 +189,16 @@ async def revoke_pairing(
     return revoked, confirmed
 
 
+def goodbye(conversation: Any, reactor: Any, limit: float = 2.0) -> defer.Deferred:
+    """Close a pair's stream subchannel (its protocol has a ``closed`` Deferred) and wait,
+    at most ``limit``, until the peer saw it: the other side learns that this run
+    ended, not only that the connection went quiet."""
+    if conversation is None or conversation.transport is None:
+        return defer.succeed(None)
+    conversation.transport.loseConnection()
+    return conversation.closed.addTimeout(limit, reactor).addErrback(lambda _: None)
+
+
 class PairChannel:
     """What :class:`~...dilation.manager.DilationManager` uses of a wormhole, for one pair.
 

@@ -15,10 +15,10 @@ import time
 from pathlib import Path
 from typing import Any, BinaryIO
 
-from twisted.internet import protocol
+from twisted.internet import defer, protocol
 
 from ...wormhole.blocking import ensure_reactor, run_and_wait
-from ..meet.resume import StreamLink
+from ..meet.resume import StreamLink, goodbye
 from ..rules import streamwire as wire
 from ..rules.errors import ProtocolError, SessionTimeout
 from ..rules.ledger import Key
@@ -66,7 +66,14 @@ class StreamReceiver:
         link = self.link
         if link is not None:
             self.link = None
-            run_and_wait(link.stop, timeout=10, on_timeout=lambda: SessionTimeout("stop"))
+
+            def end() -> defer.Deferred:
+                from twisted.internet import reactor
+
+                d = goodbye(self._conversation, reactor)
+                return d.addBoth(lambda _: link.stop())
+
+            run_and_wait(end, timeout=10, on_timeout=lambda: SessionTimeout("stop"))
 
     # --- the source's calls (its thread) ---------------------------------------------------
 
@@ -116,6 +123,7 @@ class _Conversation(protocol.Protocol):
     def __init__(self, receiver: StreamReceiver, pair: Pair) -> None:
         self.receiver, self.pair = receiver, pair
         self.incoming = wire.Incoming()
+        self.closed: defer.Deferred = defer.Deferred()  # fires when the subchannel is gone
         self._file: BinaryIO | None = None
         self._key: Key | None = None
         self._skip = False
@@ -127,6 +135,8 @@ class _Conversation(protocol.Protocol):
         self.receiver._conversation = self
 
     def connectionLost(self, reason: Any = None) -> None:
+        if not self.closed.called:
+            self.closed.callback(None)
         if self._file is not None and self._key is not None:
             with self.receiver.lock:
                 self.receiver.stage.discard_part(self._key, self._file)
@@ -134,6 +144,8 @@ class _Conversation(protocol.Protocol):
         if self.receiver._conversation is self:
             self.receiver._conversation = None
             self.receiver._since = time.monotonic()
+            if self.receiver.link is not None:
+                log.warning("the sending run ended; the stream waits for its next run")
 
     def say(self, frame: bytes) -> None:
         if self.transport is not None:

@@ -38,7 +38,7 @@ from ...wormhole.blocking import ensure_reactor
 from ..link import LocalLink, serve_connections
 from ..machine import atomic_write, owner_pid, read_private, try_lock, watch
 from ..meet.record import load_record
-from ..meet.resume import StreamLink, pair_over_code
+from ..meet.resume import StreamLink, goodbye, pair_over_code
 from ..rules import streamwire as wire
 from ..rules.errors import LinkError, error_record
 from ..rules.ledger import SinkLedger
@@ -86,7 +86,12 @@ class StreamHost:
         link = self.link
         if link is not None:
             ended = threading.Event()
-            reactor.callFromThread(lambda: link.stop().addBoth(lambda _: ended.set()))
+
+            def end() -> None:
+                d = goodbye(self.conversation, reactor)
+                d.addBoth(lambda _: link.stop()).addBoth(lambda _: ended.set())
+
+            reactor.callFromThread(end)
             ended.wait(5)
         return 0
 
@@ -247,6 +252,7 @@ class _Conversation(protocol.Protocol):
     def __init__(self, host: StreamHost) -> None:
         self.host = host
         self.incoming = wire.Incoming()
+        self.closed: defer.Deferred = defer.Deferred()  # fires when the subchannel is gone
 
     def connectionMade(self) -> None:
         old = self.host.conversation
@@ -260,9 +266,13 @@ class _Conversation(protocol.Protocol):
                 self.send_batch(batch)
 
     def connectionLost(self, reason: Any = None) -> None:
+        if not self.closed.called:
+            self.closed.callback(None)
         if self.host.conversation is self:
             self.host.conversation = None
             self.host.since = time.monotonic()
+            if not self.host.done.is_set():
+                log.warning("the receiving run ended; micro-batches wait for its next run")
 
     def send_batch(self, batch: int, only: set[int] | None = None) -> None:
         ledger = self.host.ledger
