@@ -480,14 +480,15 @@ def _rate_pair(args: argparse.Namespace, servers: Any, tmp: Path, run: Run, n: i
     """Start the rate sender and the timing receiver; the receiver's status file."""
     code = f"{600 + n}-bench-stream-{run.name}"
     base = tmp / run.name
-    common = ["--code", code, "--mailbox", servers.mailbox_url, "--relay", servers.relay_url,
-              "--stop", str(base / "stop")]  # fmt: skip
+    common = ["--code", code, "--mailbox", servers.mailbox_url, "--relay", servers.relay_url]
     status = base / "status.jsonl"
     base.mkdir(parents=True)
-    run.start("receiver", "_rate_receive", *common, "--checkpoint", str(base / "ck-recv"),
+    run.start("receiver", "_rate_receive", *common, "--stop", str(base / "stop-receiver"),
+              "--checkpoint", str(base / "ck-recv"),
               "--pairing", str(base / "pair-recv"), "--status", str(status),
               "--trigger-ms", str(args.receiver_trigger_ms))  # fmt: skip
-    run.start("sender", "_rate_send", *common, "--checkpoint", str(base / "ck-send"),
+    run.start("sender", "_rate_send", *common, "--stop", str(base / "stop-sender"),
+              "--checkpoint", str(base / "ck-send"),
               "--pairing", str(base / "pair-send"), "--rate", str(args.rate),
               "--partitions", str(args.rate_partitions),
               "--trigger-ms", str(args.sender_trigger_ms))  # fmt: skip
@@ -495,8 +496,11 @@ def _rate_pair(args: argparse.Namespace, servers: Any, tmp: Path, run: Run, n: i
 
 
 def _stop_pair(run: Run, tmp: Path) -> dict[str, Any]:
-    (tmp / run.name / "stop").write_text("stop")
+    """The sender first: its query's stop() waits for a commit in flight, which waits
+    for the receiving side (up to peer_timeout when that side is gone)."""
+    (tmp / run.name / "stop-sender").write_text("stop")
     sent = run.result("sender", 120)
+    (tmp / run.name / "stop-receiver").write_text("stop")
     run.result("receiver", 120)
     return sent
 

@@ -311,7 +311,9 @@ class DilationDataSource(DataSource):
         """``writeStream``: the stream's sink (spark/stream.py). Driver workers, per batch."""
         from .stream import stream_writer
 
-        return stream_writer(self.options, spark_arrow_schema(schema))
+        writer = stream_writer(self.options, spark_arrow_schema(schema))
+        writer.prestart()
+        return writer
 
     def writer(self, schema: StructType, overwrite: bool) -> Any:
         """Agree on a transfer over the code (waits for the reader); the task-side sender.

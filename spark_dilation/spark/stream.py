@@ -57,6 +57,7 @@ from .staged import cast_batch
 log = logging.getLogger("spark_dilation.spark.stream")
 
 RECORD_NAME = "pairing.json"
+DEFAULT_MAX_BYTES = 256 * 1024 * 1024  # maxBytesPerTrigger unless a limit is set
 HOME_ENV = "SPARK_DILATION_HOME"
 # Of the transfer's options, those a stream uses (the rest are a dataset's).
 TRANSFER_STREAM_OPTIONS = ("mailbox", "relay", "no_listen", "peer_timeout", "reconnect_timeout")
@@ -197,6 +198,14 @@ class _StreamSink:
                 "folder of this stream's pairing"
             )
 
+    def prestart(self) -> None:
+        """Start the stream's sending process now (it pairs, or resumes, while the
+        first micro-batch computes), unless one runs."""
+        from ..transfer.send import ensure_stream_host
+
+        self.pairing_dir.mkdir(parents=True, exist_ok=True, mode=0o700)
+        ensure_stream_host(self.pairing_dir, self.start)
+
     def commit(self, messages: list[Any], batchId: int) -> None:
         from ..transfer.send import deliver_batch
 
@@ -312,6 +321,10 @@ class DilationStreamReader(DataSourceStreamReader):
         self.target = target
         self.max_rows = _limit(opts, "maxRecordsPerTrigger")
         self.max_bytes = _limit(opts, "maxBytesPerTrigger")
+        if self.max_rows is None and self.max_bytes is None:
+            # Each trigger's staged bytes pass through this driver worker and the
+            # tasks: bounded by default, so a backlog does not arrive as one batch.
+            self.max_bytes = DEFAULT_MAX_BYTES
         o = transfer_options(opts, ("code", "path", *STREAM_READ_OPTIONS))
         self.dilation = {
             "relay_url": o.relay_url,
@@ -364,7 +377,7 @@ class DilationStreamReader(DataSourceStreamReader):
             return ReadMaxRows(self.max_rows)
         if self.max_bytes is not None:
             return ReadMaxBytes(self.max_bytes)
-        return ReadAllAvailable()
+        return ReadAllAvailable()  # not reached: max_bytes has a default
 
     def reportLatestOffset(self) -> dict:
         return {"seq": self.receiver.latest()}

@@ -11,6 +11,15 @@ package loads no network stack.
 from __future__ import annotations
 
 from .streamclient import abort_batch, deliver_batch
+from .streamclient import ensure_host as ensure_stream_host
 from .verbs import abort, agree, commit, send
 
-__all__ = ["abort", "abort_batch", "agree", "commit", "deliver_batch", "send"]
+__all__ = [
+    "abort",
+    "abort_batch",
+    "agree",
+    "commit",
+    "deliver_batch",
+    "ensure_stream_host",
+    "send",
+]

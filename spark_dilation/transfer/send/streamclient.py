@@ -17,6 +17,7 @@ import contextlib
 import hashlib
 import json
 import logging
+import os
 import secrets
 import tempfile
 import time
@@ -67,21 +68,32 @@ def ensure_host(pairing_dir: Path, start: dict[str, Any]) -> Path:
     ``start``: the code, the schema (base64 IPC), the mailbox URL, the
     Dilation options, the deadline and how the deadline's option is spelled.
     """
+    import fcntl
+
     directory = stream_host_dir(pairing_dir)
     if _pid(directory) is not None:
         return directory
-    error = _left_error(directory)
-    if error is not None:
-        raise error
-    token = secrets.token_bytes(32)
-    atomic_write(directory / "token", token, mode=0o600)
-    body = {**start, "pairing_dir": str(Path(pairing_dir).resolve()), "token": token}
-    proc = spawn(
-        "spark_dilation.transfer.send.streamhost",
-        [str(write_private(directory, body))],
-        directory / "host.log",
-    )
-    atomic_write(directory / "host.pid", str(proc.pid))
+    # Spark asks for the writer in two driver processes at once: one launch at a time,
+    # or the second would replace the first's token and pid under its host.
+    fd = os.open(directory / "launch.lock", os.O_RDWR | os.O_CREAT, 0o600)
+    try:
+        fcntl.flock(fd, fcntl.LOCK_EX)
+        if _pid(directory) is not None:
+            return directory
+        error = _left_error(directory)
+        if error is not None:
+            raise error
+        token = secrets.token_bytes(32)
+        atomic_write(directory / "token", token, mode=0o600)
+        body = {**start, "pairing_dir": str(Path(pairing_dir).resolve()), "token": token}
+        proc = spawn(
+            "spark_dilation.transfer.send.streamhost",
+            [str(write_private(directory, body))],
+            directory / "host.log",
+        )
+        atomic_write(directory / "host.pid", str(proc.pid))
+    finally:
+        os.close(fd)
     return directory
 
 

@@ -321,7 +321,7 @@ def main(argv: list[str] | None = None) -> int:
     try:
         return StreamHost(start, owner).run()
     finally:
-        for name in ("host.sock", "host.pid", "token"):
+        for name in ("host.sock", "host.pid", "token", "launch.lock"):
             with contextlib.suppress(OSError):
                 (directory / name).unlink()
         if not (directory / "error.json").exists():
