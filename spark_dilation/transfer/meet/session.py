@@ -31,7 +31,7 @@ from ..machine import space_refusal
 from ..rules import pqformat
 from ..rules.errors import ProtocolError, SessionTimeout
 from ..rules.options import TransferOptions
-from ..rules.pairing import RECEIVER, PairingRecord
+from ..rules.pairing import RECEIVER, SENDER, PairingRecord
 from ..rules.protocol import (
     PROTOCOL,
     SESSION_RECEIVER,
@@ -321,7 +321,8 @@ def receive_session(
             w.set_code(code)
             await w.get_verifier()
             versions = await w.get_versions()
-            if STREAM_PROTOCOL in versions:
+            peer_stream = versions.get(STREAM_PROTOCOL)
+            if isinstance(peer_stream, dict) and peer_stream.get("role") == SENDER:
                 if stream_record is None:
                     told = (
                         "this code carries a spark-dilation stream: read it with "
