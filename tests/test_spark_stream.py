@@ -216,8 +216,10 @@ def test_a_small_stream_arrives_exactly(mailbox_url: str, relay_url: str, tmp_pa
 def test_available_now_reads_what_is_staged_then_ends(
     mailbox_url: str, relay_url: str, tmp_path: Path
 ) -> None:
-    """PySpark 4.2+: a receiving query that reads one sent batch a trigger falls behind
-    the sender and stops; one with Trigger.AvailableNow reads the rest and ends by itself."""
+    """PySpark 4.2+: a receiving query that reads one sent batch a trigger, every 30 s,
+    falls behind the sender (the sender stages all 3 long before its second trigger,
+    whose progress shows the lag) and stops; one with Trigger.AvailableNow reads the
+    rest and ends by itself."""
     common = ["--code", "43-stream-now", "--mailbox", mailbox_url, "--relay", relay_url]
     src = tmp_path / "src"
     expected = App("generate", tmp_path, "--rows", "6000", "--files", "3", "--out", str(src))
@@ -242,7 +244,7 @@ def test_available_now_reads_what_is_staged_then_ends(
         "--stop-when-staged",
         "3",
         "--trigger-seconds",
-        "10",
+        "30",
     )
     sent = App(
         "send",

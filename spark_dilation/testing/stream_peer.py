@@ -53,8 +53,8 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument(
         "--stop-when-staged",
         type=int,
-        help="receive: stop once the stream's ledger staged this many sent batches "
-        "(whatever was read by then)",
+        help="receive: stop once the stream's ledger staged this many sent batches and a "
+        "trigger's progress showed a lag (whatever was read by then)",
     )
     a = p.parse_args(argv)
     spark = session(a.master, f"stream-{a.side}")
@@ -147,7 +147,8 @@ def _until_enough(spark: Any, query: Any, a: argparse.Namespace) -> None:
             raise RuntimeError(str(query.exception()))
         read = any(p["numInputRows"] for p in query.recentProgress)
         if a.stop_when_staged is not None:  # cheap looks only: stop as soon as it holds
-            if read and _staged(a.pairing) >= a.stop_when_staged:
+            behind = any(_lag(p) > 0 for p in query.recentProgress)  # a trigger showed lag
+            if read and behind and _staged(a.pairing) >= a.stop_when_staged:
                 return
             time.sleep(0.2)
             continue
