@@ -166,8 +166,12 @@ def _lag(progress: dict[str, Any]) -> int:
     source = progress["sources"][0]
 
     def seq(offset: Any) -> int:
-        value = json.loads(offset) if isinstance(offset, str) else offset
-        return int(value["seq"]) if isinstance(value, dict) else 0
+        if isinstance(offset, str):  # JSON on 4.2+; PySpark 4.0 shows other text
+            try:
+                offset = json.loads(offset)
+            except ValueError:
+                return 0
+        return int(offset["seq"]) if isinstance(offset, dict) and "seq" in offset else 0
 
     if source.get("latestOffset") is None or source.get("endOffset") is None:
         return 0
