@@ -14,6 +14,7 @@ micro-batches it staged), not from timing.
 
 from __future__ import annotations
 
+import contextlib
 import json
 import os
 import signal
@@ -50,7 +51,8 @@ class App:
             )
 
     def kill(self) -> None:
-        with_suppressed_lookup(lambda: os.killpg(self.proc.pid, signal.SIGKILL))
+        with contextlib.suppress(ProcessLookupError):
+            os.killpg(self.proc.pid, signal.SIGKILL)
         self.proc.wait()
 
     def result(self, timeout: float) -> dict[str, Any]:
@@ -62,13 +64,6 @@ class App:
         lines = (self.folder / f"{self.side}.out").read_text().splitlines()
         assert lines, f"the {self.side} application printed nothing: {self.log}"
         return json.loads(lines[-1])
-
-
-def with_suppressed_lookup(fn: Any) -> None:
-    try:
-        fn()
-    except ProcessLookupError:
-        pass
 
 
 def staged(pairing: Path) -> int:

@@ -51,12 +51,12 @@ except ImportError:
     SupportsTriggerAvailableNow = None  # type: ignore[assignment, misc]
 
 from ..transfer.rules.options import TransferOptions
+from ..transfer.rules.pairing import RECORD_NAME
 from .options import STREAM_READ_OPTIONS, OptionError
 from .staged import cast_batch
 
 log = logging.getLogger("spark_dilation.spark.stream")
 
-RECORD_NAME = "pairing.json"
 DEFAULT_MAX_BYTES = 256 * 1024 * 1024  # maxBytesPerTrigger unless a limit is set
 HOME_ENV = "SPARK_DILATION_HOME"
 # Of the transfer's options, those a stream uses (the rest are a dataset's).
@@ -80,13 +80,9 @@ def pairing_dir(options: Mapping[str, str], role: str) -> Path:
     opts = {k.lower(): v for k, v in options.items()}
     if opts.get("pairing_dir"):
         return Path(opts["pairing_dir"]).expanduser()
-    checkpoint = opts.get("checkpointlocation", "")
-    if (
-        role == "sender"
-        and checkpoint
-        and ("://" not in checkpoint or checkpoint.startswith("file:"))
-    ):
-        return Path(checkpoint.removeprefix("file://").removeprefix("file:")) / "dilation"
+    local = _local_checkpoint(opts.get("checkpointlocation", ""))
+    if role == "sender" and local is not None:
+        return local / "dilation"
     code = (opts.get("code") or "").strip()
     if not code:
         raise OptionError(
@@ -279,11 +275,20 @@ if DataSourceStreamArrowWriter is not None:
             return BatchPart(partition, attempt, rows, data)
 
 
+def _local_checkpoint(checkpoint: str) -> Path | None:
+    """A checkpoint location on this machine's file system as a path; None for none or
+    for remote storage (``s3://...``)."""
+    if not checkpoint or ("://" in checkpoint and not checkpoint.startswith("file:")):
+        return None
+    return Path(checkpoint.removeprefix("file://").removeprefix("file:"))
+
+
 def _ran_before(checkpoint: str) -> bool:
     """Whether a local checkpoint holds committed micro-batches (a restarted query)."""
-    if "://" in checkpoint and not checkpoint.startswith("file:"):
+    local = _local_checkpoint(checkpoint)
+    if local is None:
         return False  # not ours to look into; the first-run path applies
-    commits = Path(checkpoint.removeprefix("file://").removeprefix("file:")) / "commits"
+    commits = local / "commits"
     return commits.is_dir() and any(p.name.isdigit() for p in commits.iterdir())
 
 

@@ -13,8 +13,7 @@ from pathlib import Path
 from ...wormhole.blocking import ensure_reactor, run_and_wait
 from ..meet.resume import revoke_pairing
 from ..rules.errors import SessionTimeout
-
-RECORD_NAME = "pairing.json"
+from ..rules.pairing import RECORD_NAME
 
 
 def record_path(path: str | Path) -> Path:

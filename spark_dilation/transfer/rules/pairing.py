@@ -55,6 +55,7 @@ PAIRING_PURPOSE = b"spark-dilation/stream-pairing/v1"
 STANDING_INFO = "spark-dilation stream standing v1"
 STREAM_APPID = "spark-dilation.org/stream/v1"
 REVOKED_PHASE = "revoked"
+RECORD_NAME = "pairing.json"  # a side's record, in its pairing folder
 _HELLO = re.compile(r"hello-(\d+)")
 _PAIR = re.compile(r"pair-(\d+)-(\d+)-(.+)")
 

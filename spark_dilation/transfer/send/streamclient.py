@@ -33,7 +33,6 @@ from .hostlink import unix_address
 
 log = logging.getLogger(__name__)
 
-RECORD_NAME = "pairing.json"
 KIND_BATCH = b"B"
 PART_FRAME = 16 * 1024 * 1024
 HOST_START_WAIT = 60.0  # a host being started imports Twisted before it listens

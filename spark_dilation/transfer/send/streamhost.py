@@ -42,9 +42,9 @@ from ..meet.resume import StreamLink, goodbye, pair_over_code
 from ..rules import streamwire as wire
 from ..rules.errors import LinkError, error_record
 from ..rules.ledger import SinkLedger
-from ..rules.pairing import SENDER, Pair, PairingError
+from ..rules.pairing import RECORD_NAME, SENDER, Pair, PairingError
 from .hostlink import unix_address
-from .streamclient import RECORD_NAME, stream_host_dir
+from .streamclient import stream_host_dir
 
 log = logging.getLogger(__name__)
 
