@@ -8,6 +8,7 @@ from pathlib import Path
 
 import nbformat
 import pyarrow.parquet as pq
+import pytest
 from nbclient import NotebookClient
 
 from spark_dilation.notebook import make_up_code
@@ -85,6 +86,7 @@ def test_the_sender_and_receiver_notebooks_move_a_dataframe(
     assert "50,000 rows" in outputs_text(receiver)
 
 
+@pytest.mark.xdist_group("spark_stream")  # with tests/test_spark_stream.py, in turn
 def test_the_stream_notebook_streams_restarts_and_revokes(
     tmp_path, monkeypatch, mailbox_url, relay_url
 ):

@@ -32,6 +32,12 @@ PEER = [sys.executable, "-m", "spark_dilation.testing.stream_peer"]
 ROWS = int(os.environ.get("SPARK_DILATION_STREAM_ROWS", "200000"))
 FILES = 24
 MAX_ROWS = 2 * ROWS // FILES + 1  # maxRecordsPerTrigger: two sent micro-batches a trigger
+# Each sent micro-batch's commit starts a fresh Python worker, which Spark gives a
+# fixed 10 s to connect back ("Python worker failed to connect back"); two of
+# these two-application tests at once on 2 cores came near it. One worker runs
+# them (and the stream notebook's) in turn.
+STREAM_GROUP = "spark_stream"
+pytestmark = pytest.mark.xdist_group(STREAM_GROUP)
 
 
 class App:
