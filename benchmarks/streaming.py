@@ -188,25 +188,21 @@ def _rate_receive(argv: list[str]) -> dict[str, Any]:
 
 
 def _stream_send(argv: list[str]) -> dict[str, Any]:
+    from spark_dilation.testing.stream_peer import send_files
+
     a = _helper_args(argv)
     spark = _spark("bench-stream-send")
-    schema = spark.read.parquet(a.source).schema
-    stream = spark.readStream.schema(schema).option("maxFilesPerTrigger", a.max_files)
+    schema = spark.read.parquet(a.source).schema  # before the clock, as the batch path's
     t0 = time.time()
-    query = (
-        stream.parquet(a.source)
-        .writeStream.format("dilation")
-        .options(**_options(a))
-        .option("checkpointLocation", a.checkpoint)
-        .trigger(availableNow=True)
-        .start()
+    query = send_files(
+        spark,
+        a.source,
+        _options(a),
+        a.checkpoint,
+        max_files=a.max_files,
+        timeout=a.timeout,
+        schema=schema,
     )
-    query.awaitTermination(a.timeout)
-    if query.isActive:
-        query.stop()
-        raise TimeoutError(f"the sending query did not finish within {a.timeout:g} s")
-    if query.exception() is not None:
-        raise RuntimeError(str(query.exception()))
     progress = query.lastProgress
     return {"t0": t0, "t1": time.time(), "batches": int(progress["batchId"]) + 1 if progress else 0}
 

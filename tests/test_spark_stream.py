@@ -72,6 +72,24 @@ class App:
         return json.loads(lines[-1])
 
 
+def receive_args(common: list[str], folder: Path, rows: int, *more: str) -> list[str]:
+    """A receiving application's arguments: its output, checkpoint and pairing in ``folder``."""
+    return [
+        *common,
+        *("--out", str(folder / "out"), "--checkpoint", str(folder / "r-ck")),
+        *("--pairing", str(folder / "r-pairing"), "--rows", str(rows), *more),
+    ]
+
+
+def send_args(common: list[str], folder: Path, source: Path) -> list[str]:
+    """A sending application's arguments: it streams the files in ``source``."""
+    return [
+        *common,
+        *("--source", str(source), "--checkpoint", str(folder / "s-ck")),
+        *("--pairing", str(folder / "s-pairing")),
+    ]
+
+
 def staged(pairing: Path) -> int:
     """How many micro-batches the receiving side staged so far (its durable ledger)."""
     try:
@@ -101,39 +119,19 @@ def test_stream_survives_kills_of_both_applications_exactly_once(
     assert expected.get("rows") == ROWS, expected
 
     r_pairing, s_pairing = tmp_path / "r-pairing", tmp_path / "s-pairing"
-    receive_args = [
-        *common,
-        "--out",
-        str(tmp_path / "out"),
-        "--checkpoint",
-        str(tmp_path / "r-ck"),
-        "--pairing",
-        str(r_pairing),
-        "--rows",
-        str(ROWS),
-        "--max-rows",
-        str(MAX_ROWS),
-    ]
-    send_args = [
-        *common,
-        "--source",
-        str(src),
-        "--checkpoint",
-        str(tmp_path / "s-ck"),
-        "--pairing",
-        str(s_pairing),
-    ]
-    receiver = App("receive", tmp_path, *receive_args)
-    sender = App("send", tmp_path, *send_args)
+    receive = receive_args(common, tmp_path, ROWS, "--max-rows", str(MAX_ROWS))
+    send = send_args(common, tmp_path, src)
+    receiver = App("receive", tmp_path, *receive)
+    sender = App("send", tmp_path, *send)
 
     # The receiving application dies three times, each after more batches arrived.
     for at in (3, 7, 11):
         wait_staged(r_pairing, at, [receiver, sender])
         receiver.kill()
-        receiver = App("receive", tmp_path, *receive_args)
+        receiver = App("receive", tmp_path, *receive)
     wait_staged(r_pairing, 15, [receiver, sender])
     sender.kill()
-    sender = App("send", tmp_path, *send_args)
+    sender = App("send", tmp_path, *send)
 
     sent, got = sender.result(600), receiver.result(600)
     # The sending application's end reached the receiving one, which said so.
@@ -167,8 +165,8 @@ def test_stream_survives_kills_of_both_applications_exactly_once(
     assert "revoked stream" in revoke.stdout and "new code" in revoke.stdout
     files = sorted(src.glob("*.parquet"))
     (src / "part-more.parquet").write_bytes(files[0].read_bytes())  # a batch to send
-    sender = App("send", tmp_path, *send_args)
-    receiver = App("receive", tmp_path, *receive_args)
+    sender = App("send", tmp_path, *send)
+    receiver = App("receive", tmp_path, *receive)
     sent, got = sender.result(300), receiver.result(300)
     assert "the receiver revoked this stream's pairing: rotating keys" in sent["error"], sent
     assert "revoked (rotating keys)" in got["error"], got
@@ -182,30 +180,8 @@ def test_a_small_stream_arrives_exactly(mailbox_url: str, relay_url: str, tmp_pa
     src = tmp_path / "src"
     expected = App("generate", tmp_path, "--rows", "6000", "--files", "3", "--out", str(src))
     expected = expected.result(300)
-    receiver = App(
-        "receive",
-        tmp_path,
-        *common,
-        "--out",
-        str(tmp_path / "out"),
-        "--checkpoint",
-        str(tmp_path / "r-ck"),
-        "--pairing",
-        str(tmp_path / "r"),
-        "--rows",
-        "6000",
-    )
-    sent = App(
-        "send",
-        tmp_path,
-        *common,
-        "--source",
-        str(src),
-        "--checkpoint",
-        str(tmp_path / "s-ck"),
-        "--pairing",
-        str(tmp_path / "s"),
-    ).result(300)
+    receiver = App("receive", tmp_path, *receive_args(common, tmp_path, 6000))
+    sent = App("send", tmp_path, *send_args(common, tmp_path, src)).result(300)
     got = receiver.result(300)
     assert "error" not in sent and "error" not in got, (sent, got)
     assert sent["batches"] == 3
@@ -225,44 +201,19 @@ def test_available_now_reads_what_is_staged_then_ends(
     src = tmp_path / "src"
     expected = App("generate", tmp_path, "--rows", "6000", "--files", "3", "--out", str(src))
     expected = expected.result(300)
-    receive_args = [
-        *common,
-        "--out",
-        str(tmp_path / "out"),
-        "--checkpoint",
-        str(tmp_path / "r-ck"),
-        "--pairing",
-        str(tmp_path / "r"),
-        "--rows",
-        "6000",
-    ]
+    receive = receive_args(common, tmp_path, 6000)
     slow = App(
         "receive",
         tmp_path,
-        *receive_args,
-        "--max-rows",
-        "1",
-        "--stop-when-staged",
-        "3",
-        "--trigger-seconds",
-        "30",
+        *receive,
+        *("--max-rows", "1", "--stop-when-staged", "3", "--trigger-seconds", "30"),
     )
-    sent = App(
-        "send",
-        tmp_path,
-        *common,
-        "--source",
-        str(src),
-        "--checkpoint",
-        str(tmp_path / "s-ck"),
-        "--pairing",
-        str(tmp_path / "s"),
-    ).result(300)
+    sent = App("send", tmp_path, *send_args(common, tmp_path, src)).result(300)
     behind = slow.result(300)
     assert "error" not in sent and "error" not in behind, (sent, behind)
     assert behind["rows"] < 6000, behind  # one batch a trigger: it fell behind
     assert behind["largest_lag"] > 0, behind  # and its progress showed the lag
-    now = App("receive", tmp_path, *receive_args, "--available-now").result(300)
+    now = App("receive", tmp_path, *receive, "--available-now").result(300)
     assert "error" not in now, now
     assert now["rows"] == now["distinct_ids"] == 6000
     assert now["digest"] == expected["digest"]

@@ -80,22 +80,40 @@ def _options(a: argparse.Namespace) -> dict[str, str]:
     return opts
 
 
-def send(spark: Any, a: argparse.Namespace) -> dict[str, Any]:
-    schema = spark.read.parquet(a.source).schema
-    stream = spark.readStream.schema(schema).option("maxFilesPerTrigger", 1).parquet(a.source)
+def send_files(
+    spark: Any,
+    source: str,
+    options: dict[str, str],
+    checkpoint: str,
+    *,
+    max_files: int,
+    timeout: float,
+    schema: Any = None,
+) -> Any:
+    """Stream the Parquet files in ``source`` into ``writeStream.format("dilation")``
+    with Trigger.AvailableNow; the ended query (raises on a timeout or its error).
+    ``schema``: the files' Spark schema if known (else read from them)."""
+    schema = schema or spark.read.parquet(source).schema
+    stream = spark.readStream.schema(schema).option("maxFilesPerTrigger", max_files)
     query = (
-        stream.writeStream.format("dilation")
-        .options(**_options(a))
-        .option("checkpointLocation", a.checkpoint)
+        stream.parquet(source)
+        .writeStream.format("dilation")
+        .options(**options)
+        .option("checkpointLocation", checkpoint)
         .trigger(availableNow=True)
         .start()
     )
-    query.awaitTermination(a.timeout)
+    query.awaitTermination(timeout)
     if query.isActive:
         query.stop()
-        raise TimeoutError(f"the sending query did not finish within {a.timeout:g} s")
+        raise TimeoutError(f"the sending query did not finish within {timeout:g} s")
     if query.exception() is not None:
         raise RuntimeError(str(query.exception()))
+    return query
+
+
+def send(spark: Any, a: argparse.Namespace) -> dict[str, Any]:
+    query = send_files(spark, a.source, _options(a), a.checkpoint, max_files=1, timeout=a.timeout)
     return {
         "side": "send",
         "batches": int(query.lastProgress["batchId"]) + 1 if query.lastProgress else 0,
