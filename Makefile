@@ -21,8 +21,11 @@ $(STAMP): pyproject.toml
 # Bytecode for our sources, as a non-editable pip install leaves it: every Spark
 # Python worker imports them, and with PYTHONDONTWRITEBYTECODE set each one would
 # compile them again (about 0.3 CPU-s per process). Only changed files recompile.
+# The same for PySpark in Spark's Python workers: they put PySpark's source zip
+# first on their path and compiled it at every start (spark_dilation/testing/worker_bytecode.py).
 bytecode: venv
 	@$(PY) -m compileall -q spark_dilation pyspark_dilation.py
+	@$(PY) -m spark_dilation.testing.worker_bytecode 2>/dev/null
 
 check-java:
 	@sh conf/check-java.sh
@@ -31,7 +34,7 @@ check-java:
 # and networks, so more workers than cores keep 2 cores busy. 4 workers were
 # faster (1280 s against 1374 s, before the streaming tests) but kept the load
 # average at 13-19 on 2 cores, where the liveness bounds (docs/transfer.md) and
-# Spark's fixed 10 s for a fresh Python worker to connect back failed 1 run in 2.
+# Spark's fixed 10 s for a fresh Python worker to connect back failed runs.
 # loadgroup keeps the namespace clusters' tests on one worker (one set of clusters
 # at a time), Spark Connect's on one (port 15002), the streaming pairs on one.
 TEST_WORKERS ?= 3
@@ -90,6 +93,7 @@ $(OLDEST_STAMP): pyproject.toml
 
 test-oldest: venv-oldest check-java
 	@$(OLDEST_PY) -m compileall -q spark_dilation pyspark_dilation.py
+	@$(OLDEST_PY) -m spark_dilation.testing.worker_bytecode 2>/dev/null
 	@$(OLDEST_PY) -c 'import pyspark; print("PySpark", pyspark.__version__, "in", "$(OLDEST_VENV)")'
 	SPARK_DILATION_EXPECT_PYSPARK=$(OLDEST_PYSPARK) $(OLDEST_PY) -m pytest $(OLDEST_TESTS)
 
