@@ -2,8 +2,11 @@
 
 from __future__ import annotations
 
+import contextlib
+import os
 import sys
 import threading
+from collections.abc import Iterator
 from pathlib import Path
 
 import nbformat
@@ -86,6 +89,24 @@ def test_the_sender_and_receiver_notebooks_move_a_dataframe(
     assert "50,000 rows" in outputs_text(receiver)
 
 
+@contextlib.contextmanager
+def ahead_of_the_suite(nice: int = -5) -> Iterator[None]:
+    """Processes started meanwhile (the kernel, its JVM, Spark's Python workers) run at
+    ``nice``: on a loaded 2-core run, the receiving query's streaming source runner
+    missed Spark's fixed 10 s to connect back (Spark's limit, not the stream's). Needs
+    root (CAP_SYS_NICE); elsewhere the priority stays as it was."""
+    before = os.getpriority(os.PRIO_PROCESS, 0)
+    try:
+        os.setpriority(os.PRIO_PROCESS, 0, nice)
+    except PermissionError:
+        pass
+    try:
+        yield
+    finally:
+        with contextlib.suppress(PermissionError):
+            os.setpriority(os.PRIO_PROCESS, 0, before)
+
+
 @pytest.mark.xdist_group("spark_stream")  # with tests/test_spark_stream.py, in turn
 def test_the_stream_notebook_streams_restarts_and_revokes(
     tmp_path, monkeypatch, mailbox_url, relay_url
@@ -104,9 +125,10 @@ def test_the_stream_notebook_streams_restarts_and_revokes(
         "r = load_record(f'{work}/receiver-pairing/pairing.json')\n"
         "print('receiver runs:', r.incarnation, 'revoked:', r.revoked)",
     )
-    NotebookClient(
-        nb, timeout=400, kernel_name="python3", resources={"metadata": {"path": tmp_path}}
-    ).execute()
+    with ahead_of_the_suite():
+        NotebookClient(
+            nb, timeout=400, kernel_name="python3", resources={"metadata": {"path": tmp_path}}
+        ).execute()
     shown = outputs_text(nb)
     assert "tell the receiver:" in shown
     assert "rows received after the restart" in shown
