@@ -107,17 +107,10 @@ def ahead_of_the_suite(nice: int = -5) -> Iterator[None]:
             os.setpriority(os.PRIO_PROCESS, 0, before)
 
 
-@pytest.mark.xdist_group("spark_stream")  # with tests/test_spark_stream.py, in turn
-def test_the_stream_notebook_streams_restarts_and_revokes(
-    tmp_path, monkeypatch, mailbox_url, relay_url
-):
-    monkeypatch.setenv("SPARK_DILATION_MAILBOX", mailbox_url)
-    monkeypatch.setenv("SPARK_DILATION_RELAY", relay_url)
+def _run_stream_notebook(folder: Path, monkeypatch) -> nbformat.NotebookNode:
+    folder.mkdir()
     monkeypatch.setenv("SPARK_DILATION_CODE", make_up_code())
-    monkeypatch.setenv("STREAM_DEMO_DIR", str(tmp_path / "demo"))
-    monkeypatch.setenv("PYSPARK_PYTHON", sys.executable)
-    monkeypatch.setenv("SPARK_LOCAL_IP", "127.0.0.1")
-    monkeypatch.delenv("SPARK_MASTER", raising=False)
+    monkeypatch.setenv("STREAM_DEMO_DIR", str(folder / "demo"))
     nb = with_cell(
         "stream_between_clusters.ipynb",
         "assert df.count() == df.select('id').distinct().count() >= 10000\n"
@@ -127,8 +120,33 @@ def test_the_stream_notebook_streams_restarts_and_revokes(
     )
     with ahead_of_the_suite():
         NotebookClient(
-            nb, timeout=400, kernel_name="python3", resources={"metadata": {"path": tmp_path}}
+            nb, timeout=400, kernel_name="python3", resources={"metadata": {"path": folder}}
         ).execute()
+    return nb
+
+
+@pytest.mark.timeout(900)  # a second run, if Spark failed to start the first one's worker
+@pytest.mark.xdist_group("spark_stream")  # with tests/test_spark_stream.py, in turn
+def test_the_stream_notebook_streams_restarts_and_revokes(
+    tmp_path, monkeypatch, mailbox_url, relay_url
+):
+    monkeypatch.setenv("SPARK_DILATION_MAILBOX", mailbox_url)
+    monkeypatch.setenv("SPARK_DILATION_RELAY", relay_url)
+    monkeypatch.setenv("PYSPARK_PYTHON", sys.executable)
+    monkeypatch.setenv("SPARK_LOCAL_IP", "127.0.0.1")
+    monkeypatch.delenv("SPARK_MASTER", raising=False)
+    # A known defect (see the stop note of 2026-12-01): in the suite, 3 clean-clone runs
+    # of 5 saw the receiving query's first Python worker miss Spark's fixed 10 s to
+    # connect back ("Python worker failed to connect back") before any stream code ran.
+    # That one Spark error, and only it, gets a second run from scratch (new code, new
+    # folders); every assertion holds on the run that counts.
+    for attempt in (1, 2):
+        try:
+            nb = _run_stream_notebook(tmp_path / f"run{attempt}", monkeypatch)
+            break
+        except Exception as e:
+            if attempt == 2 or "Python worker failed to connect back" not in str(e):
+                raise
     shown = outputs_text(nb)
     assert "tell the receiver:" in shown
     assert "rows received after the restart" in shown
