@@ -40,8 +40,8 @@ check-java:
 TEST_WORKERS ?= 3
 
 # SPARK_DILATION_JVM_ARCHIVE: a folder for a class-data archive of Spark's classes
-# (spark_dilation/testing/jvm_archive.py), built in the background on the first run
-# for each JDK and PySpark: each test JVM's start-up then takes about half the CPU.
+# (spark_dilation/testing/jvm_archive.py), built once for each JDK and PySpark
+# (jvm-archive, below): each test JVM's start-up then takes about half the CPU.
 JVM_ARCHIVE_DIR ?= build/jvm
 
 # Built before the suite, not beside its first tests: a clean checkout's first

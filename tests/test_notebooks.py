@@ -2,11 +2,8 @@
 
 from __future__ import annotations
 
-import contextlib
-import os
 import sys
 import threading
-from collections.abc import Iterator
 from pathlib import Path
 
 import nbformat
@@ -89,24 +86,6 @@ def test_the_sender_and_receiver_notebooks_move_a_dataframe(
     assert "50,000 rows" in outputs_text(receiver)
 
 
-@contextlib.contextmanager
-def ahead_of_the_suite(nice: int = -5) -> Iterator[None]:
-    """Processes started meanwhile (the kernel, its JVM, Spark's Python workers) run at
-    ``nice``: on a loaded 2-core run, the receiving query's streaming source runner
-    missed Spark's fixed 10 s to connect back (Spark's limit, not the stream's). Needs
-    root (CAP_SYS_NICE); elsewhere the priority stays as it was."""
-    before = os.getpriority(os.PRIO_PROCESS, 0)
-    try:
-        os.setpriority(os.PRIO_PROCESS, 0, nice)
-    except PermissionError:
-        pass
-    try:
-        yield
-    finally:
-        with contextlib.suppress(PermissionError):
-            os.setpriority(os.PRIO_PROCESS, 0, before)
-
-
 def _run_stream_notebook(folder: Path, monkeypatch) -> nbformat.NotebookNode:
     folder.mkdir()
     monkeypatch.setenv("SPARK_DILATION_CODE", make_up_code())
@@ -118,10 +97,9 @@ def _run_stream_notebook(folder: Path, monkeypatch) -> nbformat.NotebookNode:
         "r = load_record(f'{work}/receiver-pairing/pairing.json')\n"
         "print('receiver runs:', r.incarnation, 'revoked:', r.revoked)",
     )
-    with ahead_of_the_suite():
-        NotebookClient(
-            nb, timeout=400, kernel_name="python3", resources={"metadata": {"path": folder}}
-        ).execute()
+    NotebookClient(
+        nb, timeout=400, kernel_name="python3", resources={"metadata": {"path": folder}}
+    ).execute()
     return nb
 
 

@@ -93,7 +93,8 @@ def send_files(
     """Stream the Parquet files in ``source`` into ``writeStream.format("dilation")``
     with Trigger.AvailableNow; the ended query (raises on a timeout or its error).
     ``schema``: the files' Spark schema if known (else read from them)."""
-    schema = schema or spark.read.parquet(source).schema
+    if schema is None:
+        schema = spark.read.parquet(source).schema
     stream = spark.readStream.schema(schema).option("maxFilesPerTrigger", max_files)
     query = (
         stream.parquet(source)
