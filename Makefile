@@ -49,9 +49,13 @@ JVM_ARCHIVE_DIR ?= build/jvm
 jvm-archive: venv
 	@$(PY) -m spark_dilation.testing.jvm_archive $(JVM_ARCHIVE_DIR) >/dev/null
 
+# Then the tests marked "alone", with the machine to themselves: the stream
+# notebook plays two clusters in one local[2] JVM, and Spark gives each fresh
+# Python worker a fixed 10 s to connect back, which the suite's load can take.
 test: venv bytecode check-java jvm-archive
 	$(PY) -m ruff check .
-	SPARK_DILATION_JVM_ARCHIVE=$(JVM_ARCHIVE_DIR) $(PY) -m pytest -n $(TEST_WORKERS) --dist loadgroup
+	SPARK_DILATION_JVM_ARCHIVE=$(JVM_ARCHIVE_DIR) $(PY) -m pytest -n $(TEST_WORKERS) --dist loadgroup -m "not alone"
+	SPARK_DILATION_JVM_ARCHIVE=$(JVM_ARCHIVE_DIR) $(PY) -m pytest -m alone --junitxml=build/junit-alone.xml
 
 # The inner loop: lint and the tests that need no Spark, no server processes and
 # no processes of their own (about a minute).
@@ -63,7 +67,8 @@ check: venv
 # the newest PySpark, so the constraint keeps pyspark at 4.0.x while pip
 # resolves everything else. The smoke run covers the schema conversions 4.0
 # does differently, a Spark->Spark transfer with exact content, a Python
-# source into Spark and one Spark Connect transfer (about 2 minutes);
+# source into Spark, one Spark Connect transfer, and streams: killed at each
+# batch phase (4.0 plans (L, L) on restart) and the guide's examples (about 8 minutes);
 # SPARK_DILATION_EXPECT_PYSPARK makes tests/test_pyspark_version.py fail if the
 # run did not use that PySpark (Spark's workers run this venv's Python too).
 OLDEST_PYSPARK = 4.0
@@ -77,7 +82,9 @@ OLDEST_TESTS   = tests/test_pyspark_version.py \
 	tests/test_spark_transfer.py::test_python_table_and_parquet_into_spark \
 	tests/test_spark_connect.py::test_register_on_a_classic_session_is_idempotent \
 	tests/test_spark_connect.py::test_classic_writer_to_connect_reader \
-	tests/test_spark_stream.py::test_a_small_stream_arrives_exactly
+	tests/test_spark_stream.py::test_a_small_stream_arrives_exactly \
+	tests/test_spark_stream.py::test_stream_survives_kills_at_each_batch_phase_exactly_once \
+	tests/test_spark_stream.py::test_the_guide_examples_on_the_sink_and_the_source
 
 venv-oldest: $(OLDEST_STAMP)
 

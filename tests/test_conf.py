@@ -59,8 +59,8 @@ def test_every_stream_option_is_documented_where_it_applies():
     write = {n for n, r in rows.items() if r["writeStream"] == "yes"}
     from spark_dilation.spark.options import STREAM_READ_OPTIONS
 
-    assert read == {"code", *STREAM_READ_OPTIONS, *TRANSFER_STREAM_OPTIONS}
-    assert write == {*STREAM_WRITE_OPTIONS, *TRANSFER_STREAM_OPTIONS} - {"path"}
+    assert read == {"code", "path", *STREAM_READ_OPTIONS, *TRANSFER_STREAM_OPTIONS}
+    assert write == {*STREAM_WRITE_OPTIONS, *TRANSFER_STREAM_OPTIONS}
     for name in TRANSFER_STREAM_OPTIONS:
         default = getattr(TransferOptions(), name)
         if default is not None:

@@ -79,8 +79,35 @@ def test_a_stage_restarted_anywhere_keeps_exactly_what_its_ledger_says(tmp_path:
     assert not again.accepting(0)
     assert again.manifest("q", 0, {0: "7"}, 1, 1).seq == 0
     # Another sending query's batches are refused, with what to do.
-    with pytest.raises(PairingError, match="a new sending query starts a new stream"):
+    with pytest.raises(PairingError, match=r"reset or rolled back.*start a new stream"):
         again.manifest("other", 5, {}, 0, 0)
     again.commit(1)
     assert list((tmp_path / "batches").iterdir()) == []
     assert json.loads((tmp_path / "ledger.json").read_text())["freed_below"] == 1
+
+
+def test_a_full_stage_refuses_the_batch_and_ends_the_receiving_run(tmp_path: Path) -> None:
+    """ENOSPC while a partition arrives: the sender is told the cause (its commit fails
+    with it) and the receiving query ends with it once it read what was staged."""
+    import errno
+    from types import SimpleNamespace
+
+    from spark_dilation.transfer.receive.streamreceiver import StreamReceiver, _Conversation
+    from spark_dilation.transfer.rules.pairing import Pair
+
+    receiver = StreamReceiver(tmp_path / "pairing.json", tmp_path)
+
+    def full(key: tuple[int, int, str]) -> None:
+        raise OSError(errno.ENOSPC, "No space left on device")
+
+    receiver.stage.open_part = full  # type: ignore[method-assign]
+    said: list[bytes] = []
+    talk = _Conversation(receiver, Pair(1, 1))
+    talk.transport = SimpleNamespace(write=said.append, loseConnection=lambda: None)
+    talk.dataReceived(b"".join(wire.part("q", 0, 0, "0", b"rows")))
+    refused = [e for e in wire.Incoming().feed(b"".join(said)) if isinstance(e, wire.Message)]
+    assert [m.t for m in refused] == [wire.REFUSED]
+    assert f"stage at {tmp_path} is full (no space left on device)" in refused[0].body["error"]
+    with pytest.raises(PairingError, match=r"is full .* read every micro-batch staged before"):
+        receiver.finished(0)
+    assert not list((tmp_path / "batches").iterdir())  # nothing half-written stays

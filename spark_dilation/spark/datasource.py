@@ -219,7 +219,9 @@ class DilationDataSource(DataSource):
         stream_dir = pairing_dir(self.options, "receiver")
         record = load_record(stream_dir / RECORD_NAME)
         if record is not None:
-            record.next_run()  # a revoked pairing says so here, before Spark plans anything
+            if not (record.revoked and (stream_dir / "ledger.json").exists()):
+                record.next_run()  # a revoked pairing says so here, before Spark plans anything
+            # else the receiving query reads what was staged before the revoke, then ends
             self._stream = stream_schema(record, stream_dir)
             return to_spark_schema(self._stream)
         assert settings.code is not None
@@ -308,7 +310,17 @@ class DilationDataSource(DataSource):
         return stream_reader(self.options, spark_arrow_schema(schema))
 
     def streamWriter(self, schema: StructType, overwrite: bool) -> Any:
-        """``writeStream``: the stream's sink (spark/stream.py). Driver workers, per batch."""
+        """``writeStream``: the stream's sink (spark/stream.py). Driver workers, per batch.
+
+        ``overwrite`` is Spark's way of saying ``outputMode("complete")``: each micro-batch
+        the whole result again. A stream carries appended rows only, so it is refused
+        (``update`` Spark refuses by itself)."""
+        if overwrite:
+            raise OptionError(
+                'writeStream.format("dilation") sends appended rows only: outputMode("complete") '
+                "would send the whole result again each micro-batch, appended to the last. Use "
+                'outputMode("append"), or foreachBatch to send each result as a dataset'
+            )
         from .stream import stream_writer
 
         writer = stream_writer(self.options, spark_arrow_schema(schema))

@@ -54,7 +54,12 @@ FILE_ONLY_OPTIONS: tuple[str, ...] = (
 # Every option the reader understands: those and the dataset transfer's.
 # sender_host is the Spark writer's alone.
 # A stream's source (spark/stream.py): its folder, and admission control.
-STREAM_READ_OPTIONS: tuple[str, ...] = ("pairing_dir", "maxrecordspertrigger", "maxbytespertrigger")
+STREAM_READ_OPTIONS: tuple[str, ...] = (
+    "state_dir",
+    "pairing_dir",
+    "maxrecordspertrigger",
+    "maxbytespertrigger",
+)
 KNOWN_OPTIONS: tuple[str, ...] = (
     *FILE_ONLY_OPTIONS,
     *STREAM_READ_OPTIONS,

@@ -18,8 +18,15 @@ What runs where (PySpark 4.0-4.3; docs/transfer.md section 7 has the protocol):
   offsets are ``{"seq": N}``, N counting staged micro-batches, and each input
   partition carries one staged partition's Arrow IPC to the task that reads it.
 
-Both keep their state in ``pairing_dir``: the pairing record (mode 0600), and
-on the receiving side the ledger and the staged partitions.
+Both keep their state in one folder (option ``state_dir``, or its older name
+``pairing_dir``): the pairing record (mode 0600), and on the receiving side
+the ledger and the staged partitions. That folder must outlive the driver
+(:func:`pairing_dir` has the defaults).
+
+The sending query is known to the receiving side by Spark's query id (its
+checkpoint's, read from each write task's ``sql.streaming.queryId``): a
+checkpoint deleted and made again is a new query, and its batches are
+refused rather than taken for re-runs.
 """
 
 from __future__ import annotations
@@ -52,6 +59,8 @@ except ImportError:
 
 from ..transfer.rules.options import TransferOptions
 from ..transfer.rules.pairing import RECORD_NAME
+from . import faults
+from .checkpoint import default_fs, local_checkpoint
 from .options import STREAM_READ_OPTIONS, OptionError
 from .staged import cast_batch
 
@@ -61,7 +70,16 @@ DEFAULT_MAX_BYTES = 256 * 1024 * 1024  # maxBytesPerTrigger unless a limit is se
 HOME_ENV = "SPARK_DILATION_HOME"
 # Of the transfer's options, those a stream uses (the rest are a dataset's).
 TRANSFER_STREAM_OPTIONS = ("mailbox", "relay", "no_listen", "peer_timeout", "reconnect_timeout")
-STREAM_WRITE_OPTIONS = ("code", "pairing_dir", "checkpointlocation", "path")
+# Spark itself passes checkpointLocation, queryName and a start(path)'s path to a sink.
+STREAM_WRITE_OPTIONS = (
+    "code",
+    "pairing_dir",
+    "state_dir",
+    "checkpointlocation",
+    "queryname",
+    "path",
+)
+QUERY_ID_PROPERTY = "sql.streaming.queryId"  # a streaming task's local property (Spark's)
 
 
 def streams_home() -> Path:
@@ -73,21 +91,34 @@ def streams_home() -> Path:
 def pairing_dir(options: Mapping[str, str], role: str) -> Path:
     """Where this side keeps its pairing record (and, receiving, its stage).
 
-    Option ``pairing_dir``; else, for a sending query with a local checkpoint,
-    ``<checkpointLocation>/dilation`` (the record lives and goes with the
-    query); else a folder under :func:`streams_home` named by the code and role.
+    Option ``state_dir`` (or ``pairing_dir``); else, for a sending query with a
+    local checkpoint, ``<checkpointLocation>/dilation`` (the record lives and
+    goes with the query); else a folder under :func:`streams_home` named by the
+    code and role. A sending query whose checkpoint is on remote storage
+    (``dbfs:``, ``s3a:``, or a path on a remote default file system) must name
+    ``state_dir``: a default on the driver's disk would not survive the driver,
+    while the checkpoint does.
     """
     opts = {k.lower(): v for k, v in options.items()}
-    if opts.get("pairing_dir"):
-        return Path(opts["pairing_dir"]).expanduser()
-    local = _local_checkpoint(opts.get("checkpointlocation", ""))
+    named = opts.get("state_dir") or opts.get("pairing_dir")
+    if named:
+        return Path(named).expanduser()
+    checkpoint = opts.get("checkpointlocation", "")
+    local = local_checkpoint(checkpoint, default_fs())
     if role == "sender" and local is not None:
         return local / "dilation"
+    if role == "sender" and checkpoint:
+        raise OptionError(
+            f"the checkpoint {checkpoint} is on storage that outlives the driver, but this "
+            "stream's pairing record would be kept on the driver's own disk, which a cluster "
+            'restart loses: set option "state_dir" to a folder that survives it (on '
+            "Databricks a Unity Catalog volume, /Volumes/<catalog>/<schema>/<volume>/<stream>)"
+        )
     code = (opts.get("code") or "").strip()
     if not code:
         raise OptionError(
             f'option "code" is required to {"send" if role == "sender" else "receive"} a stream '
-            '(or option "pairing_dir" naming the folder of an existing pairing)'
+            '(or option "state_dir" naming the folder of an existing pairing)'
         )
     digest = hashlib.sha256(code.encode()).hexdigest()[:16]
     return streams_home() / f"{digest}-{role}"
@@ -131,13 +162,17 @@ class BatchPart(WriterCommitMessage):
     attempt: str
     rows: int
     data: bytes
+    query: str | None = None  # Spark's id of the sending query (its checkpoint's)
 
 
-def _task() -> tuple[int, str]:
+def _task() -> tuple[int, str, str | None]:
+    """This write task's partition, attempt and Spark's id of its streaming query."""
     from pyspark import TaskContext
 
     ctx = TaskContext.get()
-    return (0, "0") if ctx is None else (ctx.partitionId(), str(ctx.attemptNumber()))
+    if ctx is None:
+        return 0, "0", None
+    return ctx.partitionId(), str(ctx.attemptNumber()), ctx.getLocalProperty(QUERY_ID_PROPERTY)
 
 
 def _ipc(schema: pa.Schema, batches: Iterator[pa.RecordBatch]) -> tuple[int, bytes]:
@@ -157,16 +192,14 @@ class _StreamSink:
         opts = {k.lower(): v for k, v in options.items()}
         self.schema = schema
         self.pairing_dir = pairing_dir(opts, "sender")
+        # The checkpoint as the user named it (option, or Spark's conf and the query's
+        # name): for messages; the query's identity is Spark's query id (commit()).
         checkpoint = opts.get("checkpointlocation") or ""
-        if not checkpoint:
-            raise OptionError(
-                'option "checkpointLocation" is required by writeStream.format("dilation"): '
-                "the sending query resumes from it, and it names the query to the receiving "
-                "side (its batch ids are the stream's)"
-            )
-        # The sending query's identity, as the receiving side's ledger knows it: a
-        # new checkpoint is a new query, whose batch ids start again at 0.
-        self.query = hashlib.sha256(checkpoint.encode()).hexdigest()[:16]
+        self.checkpoint = checkpoint or (
+            f"spark.sql.streaming.checkpointLocation/{opts['queryname']}"
+            if opts.get("queryname")
+            else None
+        )
         options_ = transfer_options(opts, STREAM_WRITE_OPTIONS)
         self.start = {
             "code": (opts.get("code") or "").strip() or None,
@@ -180,19 +213,26 @@ class _StreamSink:
                 "reconnect_timeout": options_.reconnect_timeout,
             },
         }
-        record = self.pairing_dir / RECORD_NAME
-        if not record.exists() and _ran_before(checkpoint):
+        record_path = self.pairing_dir / RECORD_NAME
+        from ..transfer.send import load_record
+
+        record = load_record(record_path)
+        self.had_record = record is not None
+        if record is None and _ran_before(checkpoint):
             raise OptionError(
                 f"this sending query ran before (its checkpoint {checkpoint} has committed "
-                f"micro-batches) but no pairing record is at {record}: restore the record, or "
-                "start a new stream with a new code and a new checkpoint"
+                f"micro-batches) but no pairing record is at {record_path}: it was lost or "
+                "moved. Restore the record (state_dir), or start a new stream with a new code "
+                "and a new checkpoint"
             )
-        if not record.exists() and self.start["code"] is None:
+        if record is None and self.start["code"] is None:
             raise OptionError(
                 f'option "code" is required for a stream\'s first run: no pairing record is at '
-                f"{record}. Give the code the receiving query uses, or pairing_dir naming the "
-                "folder of this stream's pairing"
+                f"{record_path}. Give the code the receiving query uses, or state_dir naming "
+                "the folder of this stream's pairing"
             )
+        if record is not None and record.schema:
+            check_schema(_record_schema(record.schema), schema, record_path)
 
     def prestart(self) -> None:
         """Start the stream's sending process now (it pairs, or resumes, while the
@@ -206,8 +246,19 @@ class _StreamSink:
         from ..transfer.send import deliver_batch
 
         parts = sorted((m for m in messages if isinstance(m, BatchPart)), key=lambda m: m.partition)
+        if not parts:  # no write task ran: nothing to deliver, nothing to wait for
+            log.info("micro-batch %d has no partitions: nothing to send", batchId)
+            return
+        if not self.had_record and batchId > 0:
+            raise OptionError(
+                f"this sending query ran before (it is at micro-batch {batchId}) but its run "
+                f"started with no pairing record at {self.pairing_dir / RECORD_NAME}: the "
+                "record was lost or is in another folder. Restore it (state_dir), or start a "
+                "new stream with a new code and a new checkpoint"
+            )
         request = {
-            "query": self.query,
+            "query": next((m.query for m in parts if m.query), None) or "unknown",
+            "checkpoint": self.checkpoint,
             "batch": batchId,
             "parts": [{"partition": m.partition, "attempt": m.attempt} for m in parts],
             "rows": sum(m.rows for m in parts),
@@ -221,6 +272,7 @@ class _StreamSink:
             seq,
             request["rows"],
         )
+        faults.reached(faults.SINK_STAGED, batchId)
 
     def abort(self, messages: list[Any], batchId: int) -> None:
         from ..transfer.send import abort_batch
@@ -232,7 +284,7 @@ class DilationStreamRowWriter(_StreamSink, DataSourceStreamWriter):
     """``writeStream.format("dilation")`` on PySpark 4.0: its tasks get Rows."""
 
     def write(self, iterator: Iterator[Any]) -> BatchPart:
-        partition, attempt = _task()
+        partition, attempt, query = _task()
         names = self.schema.names
 
         def batches() -> Iterator[pa.RecordBatch]:
@@ -246,7 +298,7 @@ class DilationStreamRowWriter(_StreamSink, DataSourceStreamWriter):
                 yield pa.RecordBatch.from_pylist(rows, schema=self.schema)
 
         rows, data = _ipc(self.schema, batches())
-        return BatchPart(partition, attempt, rows, data)
+        return BatchPart(partition, attempt, rows, data, query)
 
 
 def _plain(value: Any) -> Any:
@@ -270,26 +322,51 @@ if DataSourceStreamArrowWriter is not None:
         """``writeStream.format("dilation")`` on PySpark 4.1+: its tasks get Arrow batches."""
 
         def write(self, iterator: Iterator[pa.RecordBatch]) -> BatchPart:
-            partition, attempt = _task()
+            partition, attempt, query = _task()
             rows, data = _ipc(self.schema, (cast_batch(b, self.schema) for b in iterator))
-            return BatchPart(partition, attempt, rows, data)
-
-
-def _local_checkpoint(checkpoint: str) -> Path | None:
-    """A checkpoint location on this machine's file system as a path; None for none or
-    for remote storage (``s3://...``)."""
-    if not checkpoint or ("://" in checkpoint and not checkpoint.startswith("file:")):
-        return None
-    return Path(checkpoint.removeprefix("file://").removeprefix("file:"))
+            return BatchPart(partition, attempt, rows, data, query)
 
 
 def _ran_before(checkpoint: str) -> bool:
     """Whether a local checkpoint holds committed micro-batches (a restarted query)."""
-    local = _local_checkpoint(checkpoint)
+    local = local_checkpoint(checkpoint, default_fs())
     if local is None:
-        return False  # not ours to look into; the first-run path applies
+        return False  # not ours to look into: the first commit tells (commit())
     commits = local / "commits"
     return commits.is_dir() and any(p.name.isdigit() for p in commits.iterdir())
+
+
+def _record_schema(encoded: str) -> pa.Schema:
+    return pa.ipc.read_schema(pa.py_buffer(base64.b64decode(encoded)))
+
+
+def check_schema(paired: pa.Schema, now: pa.Schema, where: Path) -> None:
+    """Refuse a sending query whose columns are not the ones its stream was paired with:
+    the receiving side would read renamed columns as nulls and drop added ones."""
+    before = {f.name: f.type for f in paired}
+    after = {f.name: f.type for f in now}
+    if before == after and paired.names == now.names:
+        return
+    said = []
+    gone = [n for n in paired.names if n not in after]
+    new = [n for n in now.names if n not in before]
+    changed = [n for n in now.names if n in before and before[n] != after[n]]
+    if gone:
+        said.append("no longer writes " + ", ".join(gone))
+    if new:
+        said.append("adds " + ", ".join(new))
+    if changed:
+        said.append(
+            "changes the type of " + ", ".join(f"{n} ({before[n]} -> {after[n]})" for n in changed)
+        )
+    if not said:
+        said.append(f"orders its columns {', '.join(now.names)}")
+    raise OptionError(
+        f"this sending query {'; '.join(said)}: its stream was paired with columns "
+        f"{', '.join(paired.names)} (record {where}). A stream's schema is fixed when it pairs: "
+        "select the paired columns, or start a new stream (a new code, state_dir and "
+        "checkpoints on both sides) to send the new ones"
+    )
 
 
 def stream_writer(options: Mapping[str, str], schema: pa.Schema) -> Any:
@@ -338,6 +415,7 @@ class DilationStreamReader(DataSourceStreamReader):
         }
         self._receiver: Any = None
         self._until: int | None = None  # Trigger.AvailableNow: the latest at its start
+        self._planned = 0  # the end of the last range planned (PySpark 4.0 gives no start)
 
     def __getstate__(self) -> dict[str, Any]:
         return {**self.__dict__, "_receiver": None}
@@ -358,6 +436,12 @@ class DilationStreamReader(DataSourceStreamReader):
 
     def latestOffset(self, start: dict | None = None, limit: Any = None) -> dict:
         receiver = self.receiver
+        if start is None:  # PySpark 4.0/4.1: where the query is, as far as this side knows
+            with receiver.lock:
+                position = max(self._planned, receiver.stage.ledger.freed_below)
+        else:
+            position = int(start["seq"])
+        receiver.finished(position)  # a revoked or refused stream ends once all is read
         latest = receiver.latest()
         if self._until is not None:
             latest = min(latest, self._until)
@@ -391,11 +475,12 @@ class DilationStreamReader(DataSourceStreamReader):
         self._until = self.receiver.latest()
 
     def partitions(self, start: dict, end: dict) -> list[InputPartition]:
+        # Planning reads only: Spark may plan a range twice, or an empty one (PySpark
+        # 4.0/4.1 plan (L, L) on restart before the batch again); only commit() frees.
         receiver = self.receiver
         first, last = int(start["seq"]), int(end["seq"])
-        # Below the first offset Spark reads now, everything was read: freed, if the
-        # last run ended between Spark's commit log and this source's commit.
-        receiver.commit(first)
+        self._planned = max(self._planned, last)
+        faults.reached(faults.SOURCE_PLANNED, last)
         with receiver.lock:
             files = receiver.stage.files(first, last)
         return [InputPartition(path.read_bytes()) for _batch, paths in files for path in paths]
@@ -406,6 +491,7 @@ class DilationStreamReader(DataSourceStreamReader):
             yield cast_batch(batch, self.target)
 
     def commit(self, end: dict) -> None:
+        faults.reached(faults.SOURCE_COMMIT, int(end["seq"]))
         self.receiver.commit(int(end["seq"]))
 
     def stop(self) -> None:

@@ -7,6 +7,12 @@
         --checkpoint CK --pairing DIR [--relay URL]
     python -m spark_dilation.testing.stream_peer receive --code C --mailbox URL --out OUT \\
         --checkpoint CK --pairing DIR --rows N [--relay URL]
+    python -m spark_dilation.testing.stream_peer send-changed --source SRC --checkpoint CK \\
+        --pairing DIR
+    python -m spark_dilation.testing.stream_peer guide-send --code C --mailbox URL \\
+        --rows N --files K --checkpoint ROOT --pairing DIR
+    python -m spark_dilation.testing.stream_peer guide-receive --code C --mailbox URL \\
+        --out OUT --checkpoint ROOT --pairing DIR --rows N --first-rows N1
 
 ``generate`` writes N rows of every common Spark type (event time, nested
 columns; :data:`~.spark_peer.RICH_COLUMNS`) as K Parquet files. ``send``
@@ -15,8 +21,16 @@ with Trigger.AvailableNow, and ends when every file is sent (staged on the
 receiving side). ``receive`` streams ``readStream.format("dilation")`` into
 Parquet files (Spark's file sink, exactly once by its own log) until OUT holds
 N rows. Either may be killed and run again with the same arguments: each
-resumes from its checkpoint and pairing, with no new code. Each prints one
-JSON line: ``{"side": ..., "rows": ..., "digest": [...]}``.
+resumes from its checkpoint and pairing, with no new code. ``send-changed``
+starts two sending queries on an existing pairing whose columns differ from
+the paired ones (one renamed, one added) and reports how each ended.
+``guide-send`` and ``guide-receive`` use the sink and the source as Spark's
+Structured Streaming guide shows them (:func:`guide_send`, :func:`guide_receive`).
+Each prints one JSON line: ``{"side": ..., "rows": ..., "digest": [...]}``.
+
+The application makes its process group the one fault points kill
+(:mod:`spark_dilation.spark.faults`): with ``SPARK_DILATION_FAULTS`` set, a
+test stops it dead at a chosen step of Spark's batch phases.
 """
 
 from __future__ import annotations
@@ -28,12 +42,22 @@ import sys
 import time
 from typing import Any
 
+from ..spark.faults import GROUP_ENV
 from .spark_peer import RICH_COLUMNS, digest, session
 
 
 def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    p.add_argument("side", choices=["generate", "send", "receive"])
+    p.add_argument(
+        "side",
+        choices=["generate", "send", "receive", "send-changed", "guide-send", "guide-receive"],
+    )
+    p.add_argument("--first-rows", type=int, default=0, help="guide-receive: rows of part 1")
+    p.add_argument(
+        "--sync",
+        help="guide-*: a folder where the receiving side says its first query stopped; the "
+        "sending side adds its second half of files only then",
+    )
     p.add_argument("--code", default="")
     p.add_argument("--mailbox", default="")
     p.add_argument("--relay")
@@ -57,9 +81,18 @@ def main(argv: list[str] | None = None) -> int:
         "trigger's progress showed a lag (whatever was read by then)",
     )
     a = p.parse_args(argv)
+    os.environ.setdefault(GROUP_ENV, str(os.getpgrp()))  # before the JVM: its workers inherit it
     spark = session(a.master, f"stream-{a.side}")
+    sides = {
+        "generate": generate,
+        "send": send,
+        "receive": receive,
+        "send-changed": send_changed,
+        "guide-send": guide_send,
+        "guide-receive": guide_receive,
+    }
     try:
-        result = {"generate": generate, "send": send, "receive": receive}[a.side](spark, a)
+        result = sides[a.side](spark, a)
     except Exception as e:  # one line for the test to read; Spark's own log has the rest
         result = {"side": a.side, "error": f"{type(e).__name__}: {e}"}
     print(json.dumps(result), flush=True)
@@ -89,16 +122,20 @@ def send_files(
     max_files: int,
     timeout: float,
     schema: Any = None,
+    change: Any = None,
 ) -> Any:
     """Stream the Parquet files in ``source`` into ``writeStream.format("dilation")``
     with Trigger.AvailableNow; the ended query (raises on a timeout or its error).
-    ``schema``: the files' Spark schema if known (else read from them)."""
+    ``schema``: the files' Spark schema if known (else read from them); ``change``: a
+    function of the streaming DataFrame applied before it is written."""
     if schema is None:
         schema = spark.read.parquet(source).schema
     stream = spark.readStream.schema(schema).option("maxFilesPerTrigger", max_files)
+    frame = stream.parquet(source)
+    if change is not None:
+        frame = change(frame)
     query = (
-        stream.parquet(source)
-        .writeStream.format("dilation")
+        frame.writeStream.format("dilation")
         .options(**options)
         .option("checkpointLocation", checkpoint)
         .trigger(availableNow=True)
@@ -118,6 +155,164 @@ def send(spark: Any, a: argparse.Namespace) -> dict[str, Any]:
     return {
         "side": "send",
         "batches": int(query.lastProgress["batchId"]) + 1 if query.lastProgress else 0,
+    }
+
+
+def send_changed(spark: Any, a: argparse.Namespace) -> dict[str, Any]:
+    """Two sending queries on the stream's pairing with other columns: each must fail."""
+    from pyspark.sql import functions as F
+
+    changes = {
+        "renamed": lambda df: df.withColumnRenamed("s", "text"),
+        "added": lambda df: df.withColumn("extra", F.lit(1)),
+    }
+    errors = {}
+    for name, change in changes.items():
+        try:
+            send_files(
+                spark,
+                a.source,
+                _options(a),
+                f"{a.checkpoint}-{name}",
+                max_files=1,
+                timeout=a.timeout,
+                change=change,
+            )
+            errors[name] = ""
+        except Exception as e:
+            errors[name] = str(e)
+    return {"side": "send-changed", "errors": errors}
+
+
+def _failure(start: Any) -> str:
+    """How a query that should not run ended: its error at start or while it ran."""
+    try:
+        query = start()
+        query.awaitTermination(120)
+        error = query.exception()
+        if query.isActive:
+            query.stop()
+        return "" if error is None else str(error)
+    except Exception as e:
+        return str(e)
+
+
+def guide_send(spark: Any, a: argparse.Namespace) -> dict[str, Any]:
+    """The sink as the guide uses a sink: output modes, a named query whose checkpoint
+    comes from ``spark.sql.streaming.checkpointLocation``, Trigger.Once, then the same
+    query stopped and started again with a processing-time trigger on new files.
+
+    It writes ``--rows`` rows as ``--files`` Parquet files first (their digest is in
+    its result); half of them are streamed first, the rest after the restart."""
+    import shutil
+
+    made = f"{a.checkpoint}-generated"
+    expected = generate(spark, argparse.Namespace(rows=a.rows, files=a.files, out=made))
+    files = sorted(f for f in os.listdir(made) if f.endswith(".parquet"))
+    schema = spark.read.parquet(made).schema
+    src = f"{a.checkpoint}-input"
+    os.makedirs(src, exist_ok=True)
+    half = len(files) // 2
+    for name in files[:half]:
+        shutil.copy(os.path.join(made, name), src)
+    events = spark.readStream.schema(schema).option("maxFilesPerTrigger", 1).parquet(src)
+    result: dict[str, Any] = {"side": "guide-send", "digest": expected["digest"]}
+
+    def sink(df: Any, mode: str = "append") -> Any:
+        return df.writeStream.format("dilation").options(**_options(a)).outputMode(mode)
+
+    counts = events.groupBy("flag").count()
+    ck = f"{a.checkpoint}-modes"
+    result["complete"] = _failure(
+        lambda: sink(counts, "complete").option("checkpointLocation", ck + "c").start()
+    )
+    result["update"] = _failure(
+        lambda: sink(counts, "update").option("checkpointLocation", ck + "u").start()
+    )
+    spark.conf.set("spark.sql.streaming.checkpointLocation", a.checkpoint)
+    query = sink(events).queryName("orders_out").trigger(once=True).start()
+    if not query.awaitTermination(a.timeout):
+        raise TimeoutError(f"Trigger.Once did not end within {a.timeout:g} s")
+    if query.exception() is not None:
+        raise RuntimeError(str(query.exception()))
+    result["once_batches"] = len(query.recentProgress)
+    _wait_file(os.path.join(a.sync, "first-stopped"), a.timeout)  # rows sent after, not before
+    for name in files[half:]:
+        shutil.copy(os.path.join(made, name), src)
+    query = sink(events).queryName("orders_out").trigger(processingTime="1 second").start()
+    query.processAllAvailable()
+    query.stop()
+    if query.exception() is not None:
+        raise RuntimeError(str(query.exception()))
+    result["batches"] = max(p["batchId"] for p in query.recentProgress) + 1
+    return result
+
+
+def _wait_file(path: str, timeout: float) -> None:
+    deadline = time.monotonic() + timeout
+    while not os.path.exists(path):
+        if time.monotonic() > deadline:
+            raise TimeoutError(f"{path} did not appear within {timeout:g} s")
+        time.sleep(0.2)
+
+
+def guide_receive(spark: Any, a: argparse.Namespace) -> dict[str, Any]:
+    """The source as the guide reads a source: a named query whose checkpoint comes from
+    ``spark.sql.streaming.checkpointLocation``, ``foreachBatch`` downstream (each batch
+    written once by its batch id), stopped and started again; Trigger.Once; a
+    continuous trigger (refused)."""
+    spark.conf.set("spark.sql.streaming.checkpointLocation", a.checkpoint)
+    seen: list[int] = []
+
+    def write_batch(batch: Any, batch_id: int) -> None:
+        # The guide's idempotent foreachBatch: a batch run again overwrites itself.
+        batch.write.mode("overwrite").parquet(os.path.join(a.out, f"batch={batch_id}"))
+        seen.append(batch_id)
+
+    def start(**trigger: Any) -> Any:
+        stream = spark.readStream.format("dilation").options(**_options(a)).load()
+        writer = stream.writeStream.queryName("orders_in").foreachBatch(write_batch)
+        return writer.trigger(**(trigger or {"processingTime": "500 milliseconds"})).start()
+
+    def until(query: Any, rows: int) -> int:
+        deadline, got = time.monotonic() + a.timeout, 0
+        while time.monotonic() < deadline:
+            if query.exception() is not None:
+                raise RuntimeError(str(query.exception()))
+            if seen:
+                got = spark.read.parquet(a.out).count()
+                if got >= rows:
+                    query.stop()
+                    return got
+            time.sleep(1.0)
+        query.stop()
+        raise TimeoutError(f"{got} of {rows} rows after {a.timeout:g} s")
+
+    first = until(start(), a.first_rows)
+    with open(os.path.join(a.sync, "first-stopped"), "w"):
+        pass  # the sending side adds the rest now: the restarted query reads them
+    restarted_from = len(seen)
+    until(start(), a.rows)  # the same query again: from its checkpoint, no code needed
+    before = len(seen)
+    once = start(once=True)
+    if not once.awaitTermination(a.timeout):
+        raise TimeoutError(f"Trigger.Once did not end within {a.timeout:g} s")
+    stream = spark.readStream.format("dilation").options(**_options(a)).load()
+    continuous = _failure(
+        lambda: stream.writeStream.format("noop").trigger(continuous="1 second").start()
+    )
+    out = spark.read.parquet(a.out)
+    return {
+        "side": "guide-receive",
+        "first_rows": first,
+        "batch_ids": seen,
+        "restarted_from": restarted_from,
+        "once_batches": len(seen) - before,
+        "once_error": str(once.exception() or ""),
+        "continuous": continuous,
+        "rows": out.count(),
+        "distinct_ids": out.select("id").distinct().count(),
+        "digest": digest(out.drop("batch")),
     }
 
 

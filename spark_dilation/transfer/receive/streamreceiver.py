@@ -9,6 +9,7 @@ One lock keeps the two threads off the stage at the same time.
 
 from __future__ import annotations
 
+import errno
 import logging
 import threading
 import time
@@ -23,6 +24,7 @@ from ..rules import streamwire as wire
 from ..rules.errors import ProtocolError, SessionTimeout
 from ..rules.ledger import Key
 from ..rules.pairing import Pair, PairingError
+from ..rules.states import MeetingState
 from .streamstage import StreamStage
 
 log = logging.getLogger(__name__)
@@ -40,12 +42,22 @@ class StreamReceiver:
         self.lock = threading.Lock()
         self.link: StreamLink | None = None
         self.ended: PairingError | None = None
+        # Whether the query reads what is staged before it ends: yes after a revoke or a
+        # refusal; no when a later run of this side took the stage over.
+        self.drain = True
         self.pairs: list[Pair] = []
         self._conversation: _Conversation | None = None
         self._since = time.monotonic()  # when the last pair ended (or this run started)
 
     def start(self, timeout: float = 30.0) -> None:
-        """Start the run (its record's next incarnation) on the reactor thread."""
+        """Start the run (its record's next incarnation) on the reactor thread. A revoked
+        pairing starts no run: what it staged before stays readable (:meth:`finished`)."""
+        from ..meet.record import load_record
+
+        record = load_record(self.record_path)
+        if record is not None and record.revoked:
+            self.ended = PairingError(f"this stream's pairing was revoked ({record.revoked})")
+            return
         ensure_reactor()
 
         def begin() -> None:
@@ -77,13 +89,23 @@ class StreamReceiver:
 
     # --- the source's calls (its thread) ---------------------------------------------------
 
-    def check(self) -> None:
-        """Raise why this run ended (revoked, or a later run of this query started)."""
-        if self.ended is not None:
+    def finished(self, position: int) -> None:
+        """Raise why this run ended (revoked, refused, or a later run of this query
+        started) once the receiving query has read to ``position`` everything staged
+        before: a batch the sending side was told "have" for is never abandoned."""
+        if self.ended is None:
+            return
+        if not self.drain:
             raise PairingError(str(self.ended))
+        with self.lock:
+            latest = self.stage.latest
+        if position >= latest:
+            raise PairingError(
+                f"{self.ended}; the receiving query read every micro-batch staged before "
+                f"({latest} in this stream)"
+            )
 
     def latest(self) -> int:
-        self.check()
         with self.lock:
             return self.stage.latest
 
@@ -114,6 +136,8 @@ class StreamReceiver:
 
     def _ended(self, error: PairingError) -> None:
         log.warning("stream run ended: %s", error)
+        link = self.link
+        self.drain = link is None or link.meeting.state is not MeetingState.SUPERSEDED
         self.ended = error
 
 
@@ -164,6 +188,19 @@ class _Conversation(protocol.Protocol):
             self.transport.loseConnection()
 
     def _chunk(self, chunk: wire.Chunk) -> None:
+        if self.receiver.ended is not None:
+            return  # this run refused the stream already: nothing more is staged
+        try:
+            self._stage_chunk(chunk)
+        except OSError as e:
+            if self._file is not None and self._key is not None:
+                with self.receiver.lock:
+                    self.receiver.stage.discard_part(self._key, self._file)
+            self._file = None
+            self._skip = True  # the rest of this partition is dropped
+            self._refuse(int(chunk.header["batch"]), e)
+
+    def _stage_chunk(self, chunk: wire.Chunk) -> None:
         stage, h = self.receiver.stage, chunk.header
         key: Key = (int(h["batch"]), int(h["partition"]), str(h["attempt"]))
         with self.receiver.lock:
@@ -182,15 +219,42 @@ class _Conversation(protocol.Protocol):
             return  # nothing else is the sender's to say; later versions may say more
         batch = int(body["batch"])
         attempts = {int(p): str(a) for p, a in body["attempts"].items()}
+        checkpoint = body.get("checkpoint")
         try:
             with self.receiver.lock:
                 answer = self.receiver.stage.manifest(
-                    str(body["query"]), batch, attempts, int(body["rows"]), int(body["nbytes"])
+                    str(body["query"]),
+                    batch,
+                    attempts,
+                    int(body["rows"]),
+                    int(body["nbytes"]),
+                    checkpoint=str(checkpoint) if checkpoint else None,
                 )
-        except PairingError as e:
-            self.say(wire.message(wire.REFUSED, batch=batch, error=str(e)))
+        except (PairingError, OSError) as e:
+            self._refuse(batch, e)
             return
         if answer.have:
             self.say(wire.message(wire.HAVE, batch=batch, seq=answer.seq))
         else:
             self.say(wire.message(wire.MISSING, batch=batch, partitions=list(answer.missing)))
+
+    def _refuse(self, batch: int, error: Exception) -> None:
+        """The sending query is told why its batch cannot be taken, and the receiving
+        query ends with the same cause: neither waits for the other."""
+        text = _cause(error, self.receiver.stage.dir)
+        log.error("micro-batch %d refused: %s", batch, text)
+        self.say(wire.message(wire.REFUSED, batch=batch, error=text))
+        self.receiver._ended(PairingError(text))
+
+
+def _cause(error: Exception, where: Path) -> str:
+    """One line for a refused batch: a full or failing stage says so, with its folder."""
+    if isinstance(error, OSError):
+        if error.errno == errno.ENOSPC:
+            return (
+                f"the receiving side's stage at {where} is full (no space left on device): "
+                "free space there, or name a larger folder with state_dir, then restart both "
+                "queries"
+            )
+        return f"the receiving side could not stage into {where}: {error}"
+    return str(error)

@@ -6,8 +6,9 @@ Under the stream's state folder (next to the pairing record)::
     batches/B-P-A.arrow              partition P of micro-batch B, write attempt A (Arrow IPC)
 
 A partition is written whole (fsync, then rename) before the ledger counts it
-kept, so a side killed at any point restarts with a ledger that names only
-files it has. Rules: :mod:`..rules.ledger`.
+kept, and the folder of the renames is synced before the ledger that names
+them is written, so a side killed at any point (the machine too) restarts
+with a ledger that names only files it has. Rules: :mod:`..rules.ledger`.
 """
 
 from __future__ import annotations
@@ -72,11 +73,18 @@ class StreamStage:
         self.path(key).with_suffix(".tmp").unlink(missing_ok=True)
 
     def manifest(
-        self, query: str, batch: int, attempts: dict[int, str], rows: int, nbytes: int
+        self,
+        query: str,
+        batch: int,
+        attempts: dict[int, str],
+        rows: int,
+        nbytes: int,
+        checkpoint: str | None = None,
     ) -> Answer:
         before = set(self.ledger.kept)
-        answer = self.ledger.manifest(query, batch, attempts, rows, nbytes)
+        answer = self.ledger.manifest(query, batch, attempts, rows, nbytes, checkpoint)
         if answer.have:
+            _sync_folder(self.batches)  # the partitions' renames, before the ledger names them
             self._persist()  # before the answer leaves: have means staged durably
             self._delete(before - self.ledger.kept)  # the attempts Spark did not keep
         return answer
@@ -116,3 +124,11 @@ class StreamStage:
         for f in self.batches.glob("*.arrow"):
             if f.name not in kept:
                 f.unlink(missing_ok=True)
+
+
+def _sync_folder(folder: Path) -> None:
+    fd = os.open(folder, os.O_RDONLY)
+    try:
+        os.fsync(fd)
+    finally:
+        os.close(fd)

@@ -8,12 +8,24 @@ receiving side, in :class:`ReceiverLedger`:
 * keeps every partition as it arrives, durably, under ``(B, partition, attempt)``;
 * answers a manifest with **have** once every attempt it names is kept (the
   batch is then *staged*; other attempts are dropped), and at once if ``B``
-  was staged before: a sending query restarted from its checkpoint runs ``B``
-  again, and the re-run is dropped whole;
+  is the last batch it staged: a sending query restarted from its checkpoint
+  runs ``B`` again, and the re-run is dropped whole;
+* refuses a manifest from another sending query (Spark's query id: a
+  checkpoint deleted and made again at the same path is a new query) and one
+  whose batch id lies below the last staged one (a checkpoint rolled back):
+  either would be taken for re-runs and dropped, so it is a
+  :class:`StreamResetError`, never a silent ``have``;
 * gives each staged batch the next **sequence number**. The source's offsets
   count sequence numbers, so they only grow, whatever the sender's batch ids
   do, and a batch is read by the receiving query in the order it was staged;
-* frees a batch when the receiving query commits an offset past it.
+* frees a batch when the receiving query commits an offset past it, and
+  forgets it: what stays is the live batches and two numbers (the last staged
+  batch id and its sequence number), so the ledger's size and each write's
+  cost do not grow with the stream's history.
+
+Reading a range (:meth:`ReceiverLedger.between`) changes nothing: Spark may
+plan a range twice, or an empty one (PySpark 4.0/4.1 call ``partitions(L, L)``
+on restart before they plan the batch again); only ``commit(end)`` frees.
 
 The sink's ``commit(B)`` returns only after **have** for ``B``: a batch the
 sending query logged as committed is staged on the receiving side, and its
@@ -38,6 +50,22 @@ from .pairing import PairingError
 from .states import BATCH, Batch, BatchEvent
 
 Key = tuple[int, int, str]  # (batch, partition, attempt)
+
+
+class StreamResetError(PairingError):
+    """The sending query is not the one this stream's receiving side belongs to, or its
+    batch ids went back: its checkpoint was reset or rolled back."""
+
+
+def reset_message(checkpoint: str | None, what: str) -> str:
+    """What both queries are told when the sending query's checkpoint was reset."""
+    where = f"at {checkpoint} " if checkpoint else ""
+    return (
+        f"the sending query's checkpoint {where}was reset or rolled back ({what}): its "
+        "batches would be taken for ones already delivered and dropped, so they are refused. "
+        "Restore that checkpoint, or start a new stream: a new code, a new pairing_dir or "
+        "state_dir on each side, and a new receiving checkpoint"
+    )
 
 
 @dataclass
@@ -72,6 +100,10 @@ class ReceiverLedger:
         self.kept: set[Key] = set()  # partitions held, staged or not
         self.next_seq = 0  # the source's latest offset
         self.freed_below = 0  # the receiving query committed offsets below this
+        # The last batch staged and its sequence number: what remains of the freed
+        # batches, enough to answer a re-run and to refuse a batch id that went back.
+        self.top = -1
+        self.top_seq: int | None = None
 
     # --- the sending side's messages -------------------------------------------------------
 
@@ -79,46 +111,75 @@ class ReceiverLedger:
         """A partition arrived; whether to keep it (False: its batch is staged or freed,
         so this is a re-run's or a losing attempt's, and the caller drops it)."""
         entry = self.batches.get(batch)
-        if entry is not None and entry.state is not Batch.RECEIVING:
+        if batch <= self.top or (entry is not None and entry.state is not Batch.RECEIVING):
             return False
         self.kept.add((batch, partition, attempt))
         return True
 
     def manifest(
-        self, query: str, batch: int, attempts: dict[int, str], rows: int = 0, nbytes: int = 0
+        self,
+        query: str,
+        batch: int,
+        attempts: dict[int, str],
+        rows: int = 0,
+        nbytes: int = 0,
+        checkpoint: str | None = None,
     ) -> Answer:
         """The sink committed ``batch`` with these attempts (``rows`` and ``nbytes`` in
-        all); ``have`` once it is staged."""
+        all); ``have`` once it is staged. ``checkpoint``: the sending query's, as its
+        sink knows it, for the message of a reset."""
         if self.query is None:
             self.query = query
         elif query != self.query:
-            raise PairingError(
-                f"this stream's receiving side belongs to sending query {self.query}, not "
-                f"{query}: a new sending query starts a new stream (pair it with a new code)"
+            raise StreamResetError(
+                reset_message(
+                    checkpoint,
+                    f"Spark's query id is {query}, and this stream belongs to {self.query}",
+                )
             )
+        stale = self.batches.get(batch)
+        if batch < self.top and stale is not None and stale.attempts == attempts:
+            # The same manifest again, from a pair that ended (its batch is not freed yet).
+            stale.state = BATCH.next(stale.state, BatchEvent.MANIFEST_AGAIN)
+            return Answer(True, seq=stale.seq)
+        if batch < self.top:
+            raise StreamResetError(
+                reset_message(
+                    checkpoint, f"it committed micro-batch {batch} after micro-batch {self.top}"
+                )
+            )
+        if batch == self.top:  # a re-run of the last staged batch: dropped whole
+            entry = self.batches.get(batch)
+            if entry is not None:
+                entry.state = BATCH.next(entry.state, BatchEvent.MANIFEST_AGAIN)
+            return Answer(True, seq=self.top_seq)
         entry = self.batches.setdefault(batch, Staged(batch))
-        if entry.state is Batch.RECEIVING:
-            entry.attempts, entry.rows, entry.nbytes = dict(attempts), rows, nbytes
-            missing = tuple(
-                p for p, a in sorted(attempts.items()) if (batch, p, a) not in self.kept
-            )
-            if missing:
-                return Answer(False, missing=missing)
-            entry.state = BATCH.next(entry.state, BatchEvent.ALL_KEPT)
-            entry.seq = self.next_seq
-            self.by_seq[entry.seq] = entry
-            self.next_seq += 1
-            self.kept -= {
-                k for k in self.kept if k[0] == batch and entry.attempts.get(k[1]) != k[2]
-            }
-        else:
-            entry.state = BATCH.next(entry.state, BatchEvent.MANIFEST_AGAIN)
+        entry.attempts, entry.rows, entry.nbytes = dict(attempts), rows, nbytes
+        missing = tuple(p for p, a in sorted(attempts.items()) if (batch, p, a) not in self.kept)
+        if missing:
+            return Answer(False, missing=missing)
+        entry.state = BATCH.next(entry.state, BatchEvent.ALL_KEPT)
+        entry.seq = self.next_seq
+        self.by_seq[entry.seq] = entry
+        self.next_seq += 1
+        self.top, self.top_seq = batch, entry.seq
+        # The losing attempts, and anything of earlier batch ids still receiving (an
+        # aborted batch's leftovers: the sending query never goes back to it).
+        dead = {b for b, e in self.batches.items() if b < batch and e.state is Batch.RECEIVING}
+        self.kept = {
+            k
+            for k in self.kept
+            if not (k[0] in dead or (k[0] == batch and attempts.get(k[1]) != k[2]))
+            and (k[0] >= batch or k[0] in self.batches)
+        }
+        for b in dead:
+            del self.batches[b]
         return Answer(True, seq=entry.seq)
 
     def aborted(self, batch: int) -> list[Key]:
         """The sink aborted ``batch`` (it runs again); the partitions to delete."""
         entry = self.batches.get(batch)
-        if entry is not None and entry.state is not Batch.RECEIVING:
+        if batch <= self.top or (entry is not None and entry.state is not Batch.RECEIVING):
             return []  # staged already: an abort of a re-run changes nothing
         gone = sorted(k for k in self.kept if k[0] == batch)
         self.kept -= set(gone)
@@ -128,14 +189,23 @@ class ReceiverLedger:
     # --- the receiving query's calls -------------------------------------------------------
 
     def between(self, start: int, end: int) -> list[Staged]:
-        """The staged batches with sequence numbers in ``[start, end)``, in order."""
+        """The staged batches with sequence numbers in ``[start, end)``, in order.
+
+        Reads only: Spark plans a range again after a restart, and PySpark 4.0/4.1
+        plan the empty range ``(L, L)`` first."""
+        if end > self.next_seq:
+            raise PairingError(
+                f"offsets {start}-{end} name batches this side never staged (it staged "
+                f"{self.next_seq}): the receiving stage is not the one this query's "
+                "checkpoint read from, or it was lost"
+            )
+        if start >= end:
+            return []
         if start < self.freed_below:
             raise PairingError(
                 f"offset {start} was committed by the receiving query and freed; its "
                 "checkpoint is older than this stream's ledger"
             )
-        if end > self.next_seq:
-            raise PairingError(f"offsets {start}-{end} name batches this side never staged")
         return [self.by_seq[seq] for seq in range(start, end)]
 
     def end_within(
@@ -165,13 +235,15 @@ class ReceiverLedger:
         }
 
     def commit(self, end: int) -> list[Key]:
-        """The receiving query is done with offsets below ``end``: the partitions to delete."""
+        """The receiving query is done with offsets below ``end``: the partitions to
+        delete. Freed batches are forgotten (``top`` remembers the last one)."""
         gone: list[Key] = []
         # Below freed_below every batch is freed already (each commit frees all below it).
         end = min(end, self.next_seq)
         for seq in range(self.freed_below, end):
-            entry = self.by_seq[seq]
+            entry = self.by_seq.pop(seq)
             entry.state = BATCH.next(entry.state, BatchEvent.CONSUMED)
+            del self.batches[entry.batch]
             gone += [(entry.batch, p, a) for p, a in sorted(entry.attempts.items())]
         self.kept -= set(gone)
         self.freed_below = max(self.freed_below, end)
@@ -185,6 +257,7 @@ class ReceiverLedger:
                 "query": self.query,
                 "next_seq": self.next_seq,
                 "freed_below": self.freed_below,
+                "top": [self.top, self.top_seq],
                 "kept": sorted(self.kept),
                 "batches": [
                     [
@@ -206,6 +279,7 @@ class ReceiverLedger:
         ledger = cls()
         ledger.query, ledger.next_seq = body["query"], body["next_seq"]
         ledger.freed_below = body["freed_below"]
+        ledger.top, ledger.top_seq = body.get("top", (-1, None))
         ledger.kept = {(b, p, a) for b, p, a in body["kept"]}
         for batch, state, attempts, seq, rows, nbytes in body["batches"]:
             attempts = {int(p): a for p, a in attempts.items()}

@@ -12,7 +12,9 @@ sender -> receiver:
   ``size`` bytes of Arrow IPC in D chunks of at most :data:`CHUNK`: one
   attempt of one write task of micro-batch ``batch``;
 * ``{"t": "manifest", "query", "batch", "attempts": {partition: attempt},
-  "rows", "nbytes"}``: the sink committed ``batch`` with these attempts;
+  "rows", "nbytes", "checkpoint"}``: the sink committed ``batch`` with these
+  attempts; ``query`` is Spark's id of the sending query (its checkpoint's),
+  ``checkpoint`` its location where the sink knows it (for messages only);
 
 receiver -> sender:
 
@@ -20,7 +22,8 @@ receiver -> sender:
 * ``{"t": "missing", "batch", "partitions"}``: the manifest names attempts not kept
   (sent again, then the manifest again);
 * ``{"t": "refused", "batch", "error"}``: the receiving side cannot take it
-  (another sending query's stream, say); the sink's commit fails with it;
+  (a reset sending checkpoint, a full stage); the sink's commit fails with it,
+  and the receiving query ends with the same cause;
 * ``{"t": "consumed", "below"}``: the receiving query committed every staged
   batch below sequence number ``below`` (progress only).
 

@@ -10,6 +10,7 @@ package loads no network stack.
 
 from __future__ import annotations
 
+from ..meet.record import load_record
 from .streamclient import abort_batch, deliver_batch
 from .streamclient import ensure_host as ensure_stream_host
 from .verbs import abort, agree, commit, send
@@ -21,5 +22,6 @@ __all__ = [
     "commit",
     "deliver_batch",
     "ensure_stream_host",
+    "load_record",
     "send",
 ]

@@ -62,6 +62,7 @@ class StreamHost:
         self.ledger: SinkLedger | None = None
         self.waiting: dict[int, defer.Deferred] = {}
         self.totals: dict[int, tuple[int, int]] = {}  # batch -> its manifest's rows and bytes
+        self.checkpoint: str | None = None  # the sending query's, as its sink names it
         self.link: StreamLink | None = None
         self.conversation: _Conversation | None = None
         self.ended: BaseException | None = None
@@ -161,6 +162,7 @@ class StreamHost:
             log.info("dropped the losing write attempt %s", key)
         self.waiting[batch] = d = defer.Deferred()
         self.totals[batch] = (int(request["rows"]), int(request["nbytes"]))
+        self.checkpoint = request.get("checkpoint")  # named in a reset's message
         if self.conversation is not None:
             self.conversation.send_batch(batch)
         return d
@@ -292,6 +294,7 @@ class _Conversation(protocol.Protocol):
                 attempts={str(p): a for p, a in attempts.items()},
                 rows=rows,
                 nbytes=nbytes,
+                checkpoint=self.host.checkpoint,
             )
         )
 
