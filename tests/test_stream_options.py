@@ -137,13 +137,24 @@ def test_the_sink_says_what_is_missing_or_unknown(tmp_path: Path) -> None:
         stream_writer({"code": "7-a", "checkpointLocation": ck}, SCHEMA)
 
 
-def test_a_sink_whose_run_began_with_no_record_refuses_a_later_batch(tmp_path: Path) -> None:
+def test_a_sink_whose_run_began_with_no_record_refuses_a_later_batch(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
     """A lost record with a remote checkpoint: told as that, not as an unused code."""
     writer = stream_writer({"code": "7-a", "state_dir": str(tmp_path / "s")}, SCHEMA)
     part = BatchPart(0, "0", 1, b"", "q-1")
     with pytest.raises(OptionError, match=r"at micro-batch 7.*no pairing record.*lost"):
         writer.commit([part], 7)
     writer.commit([], 3)  # no partitions: nothing to send, nothing to refuse
+    # A first run whose batch 0 had no partitions: batch 1 may commit before it paired.
+    writer.commit([], 0)
+    delivered = []
+    monkeypatch.setattr(
+        "spark_dilation.transfer.send.deliver_batch", lambda *a: delivered.append(a) or 0
+    )
+    writer.commit([part], 1)
+    assert [a[2]["batch"] for a in delivered] == [1]
+    assert delivered[0][2]["query"] == "q-1"
 
 
 def test_complete_mode_is_refused_at_start() -> None:

@@ -80,6 +80,9 @@ STREAM_WRITE_OPTIONS = (
     "path",
 )
 QUERY_ID_PROPERTY = "sql.streaming.queryId"  # a streaming task's local property (Spark's)
+# Made by a sending query's batch 0 with no record: its later batches may commit while
+# the first pairing still runs. A batch past 0 with no record and no mark: the record is lost.
+FIRST_RUN_MARK = ".first-run"
 
 
 def streams_home() -> Path:
@@ -246,10 +249,19 @@ class _StreamSink:
         from ..transfer.send import deliver_batch
 
         parts = sorted((m for m in messages if isinstance(m, BatchPart)), key=lambda m: m.partition)
+        self.pairing_dir.mkdir(parents=True, exist_ok=True, mode=0o700)
+        first_run = self.pairing_dir / FIRST_RUN_MARK
+        if batchId == 0 and not self.had_record:
+            first_run.touch()  # a query that starts at batch 0 pairs over its code
         if not parts:  # no write task ran: nothing to deliver, nothing to wait for
             log.info("micro-batch %d has no partitions: nothing to send", batchId)
             return
-        if not self.had_record and batchId > 0:
+        if (
+            batchId > 0
+            and not self.had_record
+            and not first_run.exists()
+            and not (self.pairing_dir / RECORD_NAME).exists()
+        ):
             raise OptionError(
                 f"this sending query ran before (it is at micro-batch {batchId}) but its run "
                 f"started with no pairing record at {self.pairing_dir / RECORD_NAME}: the "
@@ -264,8 +276,8 @@ class _StreamSink:
             "rows": sum(m.rows for m in parts),
             "nbytes": sum(len(m.data) for m in parts),
         }
-        self.pairing_dir.mkdir(parents=True, exist_ok=True, mode=0o700)
         seq = deliver_batch(self.pairing_dir, self.start, request, [m.data for m in parts])
+        first_run.unlink(missing_ok=True)  # paired: a record lost from now on is told as that
         log.info(
             "micro-batch %d staged on the receiving side as %d (%d rows)",
             batchId,
