@@ -251,3 +251,13 @@ def test_offsets_follow_the_read_limits_in_whole_batches() -> None:
     assert reader.latestOffset({"seq": 3}, ReadAllAvailable()) == {"seq": 4}
     with pytest.raises(OptionError, match="maxBytesPerTrigger='0' must be a positive"):
         _reader(ledger, maxBytesPerTrigger="0")
+
+
+def test_a_receiving_stage_without_its_record_is_told_as_that(tmp_path: Path) -> None:
+    """Not as a code nobody uses: the record of a stream that staged batches is lost."""
+    from spark_dilation.transfer.rules.pairing import PairingError
+
+    StreamStage(tmp_path).manifest("q", 0, {}, 0, 0)
+    source = DilationDataSource({"code": "7-a", "state_dir": str(tmp_path)})
+    with pytest.raises(PairingError, match=r"receiving stage is at .* pairing record .* is gone"):
+        source.schema()

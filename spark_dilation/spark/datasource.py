@@ -37,7 +37,7 @@ from pyspark.sql.types import ArrayType, DataType, MapType, StructField, StructT
 
 from ..errors import DilationError
 from ..transfer.rules.options import TransferOptions
-from ..transfer.rules.pairing import PairingRecord
+from ..transfer.rules.pairing import PairingError, PairingRecord
 from .options import (
     FILE_ONLY_OPTIONS,
     MAILBOX_ENV,
@@ -224,6 +224,12 @@ class DilationDataSource(DataSource):
             # else the receiving query reads what was staged before the revoke, then ends
             self._stream = stream_schema(record, stream_dir)
             return to_spark_schema(self._stream)
+        if (stream_dir / "ledger.json").exists():
+            raise PairingError(
+                f"this stream's receiving stage is at {stream_dir} but its pairing record "
+                f"({stream_dir / RECORD_NAME}) is gone: it was lost or moved. Restore it, or "
+                "start a new stream (a new code and state_dir on both sides)"
+            )
         assert settings.code is not None
         options = _transfer_options(self.options, settings)
         dest = new_staging_dir(settings.staging_root)
