@@ -488,8 +488,33 @@ def receive_stream(spark: Any, code: str, **options: Any) -> Any:
     from .spark.register import register
 
     register(spark)
+    warn_driver_state(spark, options)
     reader = spark.readStream.format("dilation").option("code", code)
     return reader.options(**_spark_options(options)).load()
+
+
+def warn_driver_state(spark: Any, options: dict[str, Any]) -> str | None:
+    """On a cluster (a master that is not ``local``), a receiving stream with no
+    ``state_dir`` keeps its record and stage on the driver's disk, which a cluster
+    restart loses: say so once, in one line, with where to put it. The line, or None."""
+    if any(k.lower() in ("state_dir", "pairing_dir") for k in options):
+        return None
+    try:
+        master = str(spark.conf.get("spark.master", "local"))
+    except Exception:  # a Connect server that hides it: nothing to say
+        return None
+    if master.startswith("local"):
+        return None
+    import warnings
+
+    line = (
+        f"this stream's receiving state (pairing record and staged batches) is kept on the "
+        f"driver's disk, which a restart of the cluster ({master}) loses: pass "
+        "state_dir=<a folder that survives it> (on Databricks a Unity Catalog volume, "
+        "/Volumes/<catalog>/<schema>/<volume>/<stream>)"
+    )
+    warnings.warn(line, stacklevel=3)
+    return line
 
 
 def revoke_stream(pairing: str, reason: str = "", timeout: float = 30.0) -> bool:

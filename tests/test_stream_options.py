@@ -261,3 +261,15 @@ def test_a_receiving_stage_without_its_record_is_told_as_that(tmp_path: Path) ->
     source = DilationDataSource({"code": "7-a", "state_dir": str(tmp_path)})
     with pytest.raises(PairingError, match=r"receiving stage is at .* pairing record .* is gone"):
         source.schema()
+
+
+def test_a_receiving_stream_on_a_cluster_is_told_where_its_state_should_live() -> None:
+    from spark_dilation.notebook import warn_driver_state
+
+    def session(master: str) -> object:
+        return SimpleNamespace(conf=SimpleNamespace(get=lambda key, default=None: master))
+
+    assert warn_driver_state(session("local[2]"), {}) is None
+    with pytest.warns(UserWarning, match=r"driver's disk.*\(spark://m:7077\).*state_dir="):
+        assert "Unity Catalog volume" in warn_driver_state(session("spark://m:7077"), {})
+    assert warn_driver_state(session("yarn"), {"state_dir": "/Volumes/c/s/v/x"}) is None
