@@ -23,14 +23,12 @@ The kill points are fault points in the product's code
 from __future__ import annotations
 
 import contextlib
-import hashlib
 import json
 import os
 import shutil
 import signal
 import subprocess
 import sys
-import tempfile
 import time
 from pathlib import Path
 from typing import Any
@@ -40,6 +38,7 @@ import pytest
 from spark_dilation.spark import faults
 from spark_dilation.transfer.machine import alive
 from spark_dilation.transfer.meet.record import load_record
+from spark_dilation.transfer.send.streamclient import stream_host_path
 
 PEER = [sys.executable, "-m", "spark_dilation.testing.stream_peer"]
 ROWS = int(os.environ.get("SPARK_DILATION_STREAM_ROWS", "200000"))
@@ -135,8 +134,7 @@ def run_through_kills(apps: list[App], kills: int, timeout: float) -> list[App]:
 def stream_host_ends(pairing: Path, within: float = 10.0) -> None:
     """The sending side's stream host ends within seconds of its application (the last
     one a dying application launched included): nothing is left running."""
-    digest = hashlib.sha256(str(pairing.resolve()).encode()).hexdigest()[:16]
-    pid_file = Path(tempfile.gettempdir()) / "spark-dilation" / f"stream-{digest}" / "host.pid"
+    pid_file = stream_host_path(pairing) / "host.pid"
     deadline = time.monotonic() + within
     while True:
         try:

@@ -36,6 +36,7 @@ from pyspark.sql.pandas.types import from_arrow_type, to_arrow_schema
 from pyspark.sql.types import ArrayType, DataType, MapType, StructField, StructType
 
 from ..errors import DilationError
+from ..transfer.rules.ledger import LEDGER_NAME
 from ..transfer.rules.options import TransferOptions
 from ..transfer.rules.pairing import PairingError, PairingRecord
 from .options import (
@@ -219,12 +220,12 @@ class DilationDataSource(DataSource):
         stream_dir = pairing_dir(self.options, "receiver")
         record = load_record(stream_dir / RECORD_NAME)
         if record is not None:
-            if not (record.revoked and (stream_dir / "ledger.json").exists()):
+            if not (record.revoked and (stream_dir / LEDGER_NAME).exists()):
                 record.next_run()  # a revoked pairing says so here, before Spark plans anything
             # else the receiving query reads what was staged before the revoke, then ends
             self._stream = stream_schema(record, stream_dir)
             return to_spark_schema(self._stream)
-        if (stream_dir / "ledger.json").exists():
+        if (stream_dir / LEDGER_NAME).exists():
             raise PairingError(
                 f"this stream's receiving stage is at {stream_dir} but its pairing record "
                 f"({stream_dir / RECORD_NAME}) is gone: it was lost or moved. Restore it, or "

@@ -235,7 +235,7 @@ class _StreamSink:
                 "the folder of this stream's pairing"
             )
         if record is not None and record.schema:
-            check_schema(_record_schema(record.schema), schema, record_path)
+            check_schema(stream_schema(record, record_path), schema, record_path)
 
     def prestart(self) -> None:
         """Start the stream's sending process now (it pairs, or resumes, while the
@@ -346,10 +346,6 @@ def _ran_before(checkpoint: str) -> bool:
         return False  # not ours to look into: the first commit tells (commit())
     commits = local / "commits"
     return commits.is_dir() and any(p.name.isdigit() for p in commits.iterdir())
-
-
-def _record_schema(encoded: str) -> pa.Schema:
-    return pa.ipc.read_schema(pa.py_buffer(base64.b64decode(encoded)))
 
 
 def check_schema(paired: pa.Schema, now: pa.Schema, where: Path) -> None:

@@ -123,6 +123,15 @@ def held_in(table: str, dev: int, ino: int) -> bool:
     return False
 
 
+def sync_folder(folder: str | Path) -> None:
+    """fsync ``folder``: the renames and creations in it are on disk."""
+    fd = os.open(folder, os.O_RDONLY)
+    try:
+        os.fsync(fd)
+    finally:
+        os.close(fd)
+
+
 def atomic_write(
     path: str | Path, data: bytes | str, mode: int = 0o666, durable: bool = False
 ) -> None:
@@ -146,11 +155,7 @@ def atomic_write(
                 os.fsync(f.fileno())
         os.replace(tmp, path)
         if durable:
-            folder = os.open(path.parent, os.O_RDONLY)
-            try:
-                os.fsync(folder)
-            finally:
-                os.close(folder)
+            sync_folder(path.parent)
     except BaseException:
         with contextlib.suppress(OSError):
             os.unlink(tmp)

@@ -19,8 +19,8 @@ import re
 from pathlib import Path
 from typing import BinaryIO
 
-from ..machine import atomic_write
-from ..rules.ledger import Answer, Key, ReceiverLedger
+from ..machine import atomic_write, sync_folder
+from ..rules.ledger import LEDGER_NAME, Answer, Key, ReceiverLedger
 
 _ATTEMPT = re.compile(r"[0-9A-Za-z_]{1,40}")
 
@@ -34,7 +34,7 @@ class StreamStage:
         self.batches.mkdir(parents=True, exist_ok=True, mode=0o700)
         for tmp in self.batches.glob("*.tmp"):  # a partition a killed run was writing
             tmp.unlink(missing_ok=True)
-        path = self.dir / "ledger.json"
+        path = self.dir / LEDGER_NAME
         self.ledger = (
             ReceiverLedger.from_json(path.read_text()) if path.exists() else ReceiverLedger()
         )
@@ -84,7 +84,7 @@ class StreamStage:
         before = set(self.ledger.kept)
         answer = self.ledger.manifest(query, batch, attempts, rows, nbytes, checkpoint)
         if answer.have:
-            _sync_folder(self.batches)  # the partitions' renames, before the ledger names them
+            sync_folder(self.batches)  # the partitions' renames, before the ledger names them
             self._persist()  # before the answer leaves: have means staged durably
             self._delete(before - self.ledger.kept)  # the attempts Spark did not keep
         return answer
@@ -112,7 +112,7 @@ class StreamStage:
         self._delete(gone)
 
     def _persist(self) -> None:
-        atomic_write(self.dir / "ledger.json", self.ledger.to_json(), mode=0o600, durable=True)
+        atomic_write(self.dir / LEDGER_NAME, self.ledger.to_json(), mode=0o600, durable=True)
 
     def _delete(self, keys: set[Key] | list[Key]) -> None:
         for key in keys:
@@ -124,11 +124,3 @@ class StreamStage:
         for f in self.batches.glob("*.arrow"):
             if f.name not in kept:
                 f.unlink(missing_ok=True)
-
-
-def _sync_folder(folder: Path) -> None:
-    fd = os.open(folder, os.O_RDONLY)
-    try:
-        os.fsync(fd)
-    finally:
-        os.close(fd)

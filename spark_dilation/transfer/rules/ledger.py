@@ -50,6 +50,7 @@ from .pairing import PairingError
 from .states import BATCH, Batch, BatchEvent
 
 Key = tuple[int, int, str]  # (batch, partition, attempt)
+LEDGER_NAME = "ledger.json"  # the receiving side's ledger, in its state folder
 
 
 class StreamResetError(PairingError):
@@ -163,17 +164,15 @@ class ReceiverLedger:
         self.by_seq[entry.seq] = entry
         self.next_seq += 1
         self.top, self.top_seq = batch, entry.seq
-        # The losing attempts, and anything of earlier batch ids still receiving (an
-        # aborted batch's leftovers: the sending query never goes back to it).
-        dead = {b for b, e in self.batches.items() if b < batch and e.state is Batch.RECEIVING}
+        # Dropped: the losing attempts, and whatever of an earlier batch id is not staged
+        # (an aborted batch's leftovers: the sending query never goes back to it).
+        staged = {b for b, e in self.batches.items() if b < batch and e.state is Batch.STAGED}
         self.kept = {
             k
             for k in self.kept
-            if not (k[0] in dead or (k[0] == batch and attempts.get(k[1]) != k[2]))
-            and (k[0] >= batch or k[0] in self.batches)
+            if k[0] > batch or k[0] in staged or (k[0] == batch and attempts.get(k[1]) == k[2])
         }
-        for b in dead:
-            del self.batches[b]
+        self.batches = {b: e for b, e in self.batches.items() if b >= batch or b in staged}
         return Answer(True, seq=entry.seq)
 
     def aborted(self, batch: int) -> list[Key]:

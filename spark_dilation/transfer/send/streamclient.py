@@ -38,10 +38,15 @@ PART_FRAME = 16 * 1024 * 1024
 HOST_START_WAIT = 60.0  # a host being started imports Twisted before it listens
 
 
+def stream_host_path(pairing_dir: Path) -> Path:
+    """This machine's folder for the stream host of ``pairing_dir`` (not made here)."""
+    digest = hashlib.sha256(str(Path(pairing_dir).resolve()).encode()).hexdigest()[:16]
+    return Path(tempfile.gettempdir()) / "spark-dilation" / f"stream-{digest}"
+
+
 def stream_host_dir(pairing_dir: Path) -> Path:
     """This machine's folder for the stream host of ``pairing_dir`` (created, 0700)."""
-    digest = hashlib.sha256(str(Path(pairing_dir).resolve()).encode()).hexdigest()[:16]
-    return private_dir(Path(tempfile.gettempdir()) / "spark-dilation" / f"stream-{digest}")
+    return private_dir(stream_host_path(pairing_dir))
 
 
 def _pid(directory: Path) -> int | None:
