@@ -507,12 +507,9 @@ def warn_driver_state(spark: Any, options: dict[str, Any]) -> str | None:
         return None
     import warnings
 
-    line = (
-        f"this stream's receiving state (pairing record and staged batches) is kept on the "
-        f"driver's disk, which a restart of the cluster ({master}) loses: pass "
-        "state_dir=<a folder that survives it> (on Databricks a Unity Catalog volume, "
-        "/Volumes/<catalog>/<schema>/<volume>/<stream>)"
-    )
+    from .spark.stream import driver_state_warning
+
+    line = driver_state_warning(master)
     warnings.warn(line, stacklevel=3)
     return line
 

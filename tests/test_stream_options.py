@@ -10,7 +10,12 @@ import pyarrow as pa
 import pytest
 from pyspark.sql.types import LongType, StructField, StructType
 
-from spark_dilation.spark.checkpoint import DEFAULT_FS_ENV, default_fs, local_checkpoint
+from spark_dilation.spark.checkpoint import (
+    DEFAULT_FS_ENV,
+    cluster_master,
+    default_fs,
+    local_checkpoint,
+)
 from spark_dilation.spark.datasource import DilationDataSource
 from spark_dilation.spark.options import OptionError
 from spark_dilation.spark.stream import (
@@ -273,3 +278,51 @@ def test_a_receiving_stream_on_a_cluster_is_told_where_its_state_should_live() -
     with pytest.warns(UserWarning, match=r"driver's disk.*\(spark://m:7077\).*state_dir="):
         assert "Unity Catalog volume" in warn_driver_state(session("spark://m:7077"), {})
     assert warn_driver_state(session("yarn"), {"state_dir": "/Volumes/c/s/v/x"}) is None
+
+
+def test_the_cluster_master_as_a_driver_worker_learns_it(
+    monkeypatch: pytest.MonkeyPatch, tmp_path: Path
+) -> None:
+    """No Spark conf reaches a driver's Python worker: the runtime, spark-submit, spark-defaults."""
+    monkeypatch.delenv("DATABRICKS_RUNTIME_VERSION", raising=False)
+    monkeypatch.delenv("SPARK_HOME", raising=False)
+    monkeypatch.setenv("SPARK_CONF_DIR", str(tmp_path))
+    java = ["java", "-cp", "x", "org.apache.spark.deploy.SparkSubmit"]
+    assert cluster_master([]) is None
+    assert cluster_master([*java, "--master", "local[2]", "app.py"]) is None
+    assert cluster_master([*java, "--master", "spark://m:7077", "app.py"]) == "spark://m:7077"
+    assert cluster_master([*java, "--master=yarn", "app.py"]) == "yarn"
+    assert cluster_master([*java, "--conf", "spark.master=k8s://h:443", "x"]) == "k8s://h:443"
+    (tmp_path / "spark-defaults.conf").write_text("# cluster\nspark.master\tspark://d:7077\n")
+    assert cluster_master([]) == "spark://d:7077"
+    assert cluster_master([*java, "--master", "local[*]"]) is None  # the command line wins
+    monkeypatch.setenv("DATABRICKS_RUNTIME_VERSION", "17.3")
+    assert cluster_master([]) == "Databricks"
+
+
+def test_a_raw_receiving_source_on_a_cluster_logs_where_its_state_should_live(
+    monkeypatch: pytest.MonkeyPatch, caplog: pytest.LogCaptureFixture, tmp_path: Path
+) -> None:
+    """readStream.format("dilation") without receive_stream: its worker's line in the driver log."""
+    import spark_dilation.spark.stream as stream
+    import spark_dilation.transfer.receive as receive
+
+    class Receiver:
+        def __init__(self, *args: object, **kwargs: object) -> None:
+            pass
+
+        def start(self) -> None:
+            pass
+
+    monkeypatch.setattr(receive, "StreamReceiver", Receiver)
+    monkeypatch.setattr(stream, "cluster_master", lambda: "spark://m:7077")
+    monkeypatch.setenv("SPARK_DILATION_HOME", str(tmp_path))
+    with caplog.at_level("WARNING", logger="spark_dilation.spark.stream"):
+        assert isinstance(stream_reader({"code": "7-a"}, SCHEMA).receiver, Receiver)
+        assert isinstance(
+            stream_reader({"code": "7-a", "state_dir": str(tmp_path)}, SCHEMA).receiver, Receiver
+        )
+    lines = [r.getMessage() for r in caplog.records]
+    assert len(lines) == 1, lines
+    assert "driver's disk" in lines[0] and "(spark://m:7077)" in lines[0]
+    assert "state_dir=" in lines[0] and "Unity Catalog volume" in lines[0]

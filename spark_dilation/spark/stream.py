@@ -60,7 +60,7 @@ except ImportError:
 from ..transfer.rules.options import TransferOptions
 from ..transfer.rules.pairing import RECORD_NAME
 from . import faults
-from .checkpoint import default_fs, local_checkpoint
+from .checkpoint import cluster_master, default_fs, local_checkpoint
 from .options import STREAM_READ_OPTIONS, OptionError
 from .staged import cast_batch
 
@@ -125,6 +125,16 @@ def pairing_dir(options: Mapping[str, str], role: str) -> Path:
         )
     digest = hashlib.sha256(code.encode()).hexdigest()[:16]
     return streams_home() / f"{digest}-{role}"
+
+
+def driver_state_warning(master: str) -> str:
+    """The one line for a receiving stream on a cluster whose state is on the driver's disk."""
+    return (
+        f"this stream's receiving state (pairing record and staged batches) is kept on the "
+        f"driver's disk, which a restart of the cluster ({master}) loses: pass "
+        "state_dir=<a folder that survives it> (on Databricks a Unity Catalog volume, "
+        "/Volumes/<catalog>/<schema>/<volume>/<stream>)"
+    )
 
 
 def transfer_options(options: Mapping[str, str], allowed: tuple[str, ...]) -> TransferOptions:
@@ -408,6 +418,7 @@ class DilationStreamReader(DataSourceStreamReader):
     def __init__(self, options: Mapping[str, str], target: pa.Schema) -> None:
         opts = {k.lower(): v for k, v in options.items()}
         self.dir = pairing_dir(opts, "receiver")
+        self.named_dir = bool(opts.get("state_dir") or opts.get("pairing_dir"))
         self.target = target
         self.max_rows = _limit(opts, "maxRecordsPerTrigger")
         self.max_bytes = _limit(opts, "maxBytesPerTrigger")
@@ -433,6 +444,9 @@ class DilationStreamReader(DataSourceStreamReader):
         if self._receiver is None:
             from ..transfer.receive import StreamReceiver
 
+            master = None if self.named_dir else cluster_master()
+            if master is not None:  # in the driver's log: this worker cannot reach the user
+                log.warning(driver_state_warning(master))
             receiver = StreamReceiver(self.dir / RECORD_NAME, self.dir, **self.dilation)
             receiver.start()
             self._receiver = receiver
