@@ -303,25 +303,25 @@ def test_the_cluster_master_as_a_driver_worker_learns_it(
 def test_a_raw_receiving_source_on_a_cluster_logs_where_its_state_should_live(
     monkeypatch: pytest.MonkeyPatch, caplog: pytest.LogCaptureFixture, tmp_path: Path
 ) -> None:
-    """readStream.format("dilation") without receive_stream: its worker's line in the driver log."""
+    """readStream.format("dilation") without receive_stream: a line in the driver log from
+    schema(), on a restarted run here (a first run logs it once paired)."""
+    import base64
+
     import spark_dilation.spark.stream as stream
-    import spark_dilation.transfer.receive as receive
+    from spark_dilation.transfer.meet.record import save_record
+    from spark_dilation.transfer.rules.pairing import RECEIVER, RECORD_NAME, new_record
 
-    class Receiver:
-        def __init__(self, *args: object, **kwargs: object) -> None:
-            pass
-
-        def start(self) -> None:
-            pass
-
-    monkeypatch.setattr(receive, "StreamReceiver", Receiver)
     monkeypatch.setattr(stream, "cluster_master", lambda: "spark://m:7077")
     monkeypatch.setenv("SPARK_DILATION_HOME", str(tmp_path))
+    folder = pairing_dir({"code": "7-a"}, "receiver")
+    folder.mkdir(parents=True)
+    schema = base64.b64encode(SCHEMA.serialize().to_pybytes()).decode()
+    save_record(folder / RECORD_NAME, new_record(bytes(32), RECEIVER, "ws://m", schema))
     with caplog.at_level("WARNING", logger="spark_dilation.spark.stream"):
-        assert isinstance(stream_reader({"code": "7-a"}, SCHEMA).receiver, Receiver)
-        assert isinstance(
-            stream_reader({"code": "7-a", "state_dir": str(tmp_path)}, SCHEMA).receiver, Receiver
-        )
+        DilationDataSource({"code": "7-a"}).schema()
+        DilationDataSource({"code": "7-a", "state_dir": str(folder)}).schema()
+        monkeypatch.setattr(stream, "cluster_master", lambda: None)
+        DilationDataSource({"code": "7-a"}).schema()
     lines = [r.getMessage() for r in caplog.records]
     assert len(lines) == 1, lines
     assert "driver's disk" in lines[0] and "(spark://m:7077)" in lines[0]

@@ -213,7 +213,7 @@ class DilationDataSource(DataSource):
             self._staged = _stage(settings)
             return to_spark_schema(self._staged.arrow_schema)
         from ..transfer.receive import ReceivedFileResult, load_record, receive_session
-        from .stream import RECORD_NAME, pairing_dir, stream_schema
+        from .stream import RECORD_NAME, pairing_dir, stream_schema, warn_driver_state
 
         # A stream paired before (a restarted receiving query): its record has the
         # schema, and the spent code is not opened again.
@@ -223,6 +223,7 @@ class DilationDataSource(DataSource):
             if not (record.revoked and (stream_dir / LEDGER_NAME).exists()):
                 record.next_run()  # a revoked pairing says so here, before Spark plans anything
             # else the receiving query reads what was staged before the revoke, then ends
+            warn_driver_state(self.options)
             self._stream = stream_schema(record, stream_dir)
             return to_spark_schema(self._stream)
         if (stream_dir / LEDGER_NAME).exists():
@@ -251,6 +252,7 @@ class DilationDataSource(DataSource):
         if isinstance(result, PairingRecord):
             shutil.rmtree(dest, ignore_errors=True)
             log.info("paired as the receiver of stream %s", result.stream)
+            warn_driver_state(self.options)
             self._stream = stream_schema(result, stream_dir)
             return to_spark_schema(self._stream)
         with contextlib.suppress(OSError):

@@ -137,6 +137,20 @@ def driver_state_warning(master: str) -> str:
     )
 
 
+def warn_driver_state(options: Mapping[str, str]) -> str | None:
+    """A receiving stream with no ``state_dir`` on a cluster: log :func:`driver_state_warning`
+    (a driver's Python worker reaches the user only through the driver's log). The line, or None."""
+    opts = {k.lower(): v for k, v in options.items()}
+    if opts.get("state_dir") or opts.get("pairing_dir"):
+        return None
+    master = cluster_master()
+    if master is None:
+        return None
+    line = driver_state_warning(master)
+    log.warning(line)
+    return line
+
+
 def transfer_options(options: Mapping[str, str], allowed: tuple[str, ...]) -> TransferOptions:
     opts = {k.lower(): v for k, v in options.items()}
     known = set(allowed) | set(TRANSFER_STREAM_OPTIONS)
@@ -418,7 +432,6 @@ class DilationStreamReader(DataSourceStreamReader):
     def __init__(self, options: Mapping[str, str], target: pa.Schema) -> None:
         opts = {k.lower(): v for k, v in options.items()}
         self.dir = pairing_dir(opts, "receiver")
-        self.named_dir = bool(opts.get("state_dir") or opts.get("pairing_dir"))
         self.target = target
         self.max_rows = _limit(opts, "maxRecordsPerTrigger")
         self.max_bytes = _limit(opts, "maxBytesPerTrigger")
@@ -444,9 +457,6 @@ class DilationStreamReader(DataSourceStreamReader):
         if self._receiver is None:
             from ..transfer.receive import StreamReceiver
 
-            master = None if self.named_dir else cluster_master()
-            if master is not None:  # in the driver's log: this worker cannot reach the user
-                log.warning(driver_state_warning(master))
             receiver = StreamReceiver(self.dir / RECORD_NAME, self.dir, **self.dilation)
             receiver.start()
             self._receiver = receiver
