@@ -4,17 +4,19 @@
 PYTHON ?= python3
 VENV   ?= .venv
 PY      = $(VENV)/bin/python
-STAMP   = $(VENV)/.installed-$(shell cat pyproject.toml | cksum | cut -d' ' -f1)
+# Test tools are pinned (conf/test-constraints.txt); either file changing makes a new venv.
+CONSTRAINTS = conf/test-constraints.txt
+STAMP   = $(VENV)/.installed-$(shell cat pyproject.toml $(CONSTRAINTS) | cksum | cut -d' ' -f1)
 
 .PHONY: jvm-archive test check test-oldest venv-oldest demo lint format check-java venv bytecode clean
 
 venv: $(STAMP)
 
-$(STAMP): pyproject.toml
+$(STAMP): pyproject.toml $(CONSTRAINTS)
 	@$(PYTHON) -c 'import sys; sys.exit(0 if sys.version_info >= (3, 11) else "Python 3.11+ is required (found %s)" % sys.version.split()[0])'
 	test -x $(PY) || $(PYTHON) -m venv $(VENV)
 	$(PY) -m pip install --quiet --upgrade pip
-	$(PY) -m pip install --quiet -e '.[test]'
+	$(PY) -m pip install --quiet -c $(CONSTRAINTS) -e '.[test]'
 	rm -f $(VENV)/.installed-*
 	touch $@
 
@@ -54,6 +56,7 @@ jvm-archive: venv
 # Python worker a fixed 10 s to connect back, which the suite's load can take.
 test: venv bytecode check-java jvm-archive
 	$(PY) -m ruff check .
+	$(PY) -m ruff format --check .
 	SPARK_DILATION_JVM_ARCHIVE=$(JVM_ARCHIVE_DIR) $(PY) -m pytest -n $(TEST_WORKERS) --dist loadgroup -m "not alone"
 	SPARK_DILATION_JVM_ARCHIVE=$(JVM_ARCHIVE_DIR) $(PY) -m pytest -m alone --junitxml=build/junit-alone.xml
 
@@ -74,7 +77,7 @@ check: venv
 OLDEST_PYSPARK = 4.0
 OLDEST_VENV   ?= .venv-pyspark40
 OLDEST_PY      = $(OLDEST_VENV)/bin/python
-OLDEST_STAMP   = $(OLDEST_VENV)/.installed-$(shell (cat pyproject.toml; echo $(OLDEST_PYSPARK)) | cksum | cut -d' ' -f1)
+OLDEST_STAMP   = $(OLDEST_VENV)/.installed-$(shell (cat pyproject.toml $(CONSTRAINTS); echo $(OLDEST_PYSPARK)) | cksum | cut -d' ' -f1)
 OLDEST_TESTS   = tests/test_pyspark_version.py \
 	tests/test_spark_files.py::test_nested_nullability_survives_both_ways \
 	tests/test_spark_files.py::test_rarer_arrow_types_are_cast \
@@ -88,11 +91,11 @@ OLDEST_TESTS   = tests/test_pyspark_version.py \
 
 venv-oldest: $(OLDEST_STAMP)
 
-$(OLDEST_STAMP): pyproject.toml
+$(OLDEST_STAMP): pyproject.toml $(CONSTRAINTS)
 	@$(PYTHON) -c 'import sys; sys.exit(0 if sys.version_info >= (3, 11) else "Python 3.11+ is required (found %s)" % sys.version.split()[0])'
 	test -x $(OLDEST_PY) || $(PYTHON) -m venv $(OLDEST_VENV)
 	$(OLDEST_PY) -m pip install --quiet --upgrade pip
-	echo 'pyspark==$(OLDEST_PYSPARK).*' > $(OLDEST_VENV)/constraints.txt
+	(cat $(CONSTRAINTS); echo 'pyspark==$(OLDEST_PYSPARK).*') > $(OLDEST_VENV)/constraints.txt
 	$(OLDEST_PY) -m pip install --quiet -c $(OLDEST_VENV)/constraints.txt 'pyspark[connect]==$(OLDEST_PYSPARK).*'
 	$(OLDEST_PY) -m pip install --quiet -c $(OLDEST_VENV)/constraints.txt -e '.[test]'
 	rm -f $(OLDEST_VENV)/.installed-*

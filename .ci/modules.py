@@ -1,8 +1,12 @@
-"""Print the suite's time per test module from a JUnit XML report (stdlib only).
+"""Print the suite's time per test module from JUnit XML reports (stdlib only).
 
-Seconds are the sum of the module's test times (setup, call and teardown) as
+``python3 .ci/modules.py build/junit.xml [build/junit-alone.xml ...]``
+
+wall-s is the sum of the module's test times (setup, call and teardown) as
 measured in the run: under ``make test``'s parallel workers that is time on a
-loaded machine, longer than the module alone would take.
+loaded machine, longer than the module alone would take. cpu-s is the CPU the
+tests' processes used (``spark_dilation.testing.cputime``: self plus children),
+which load does not stretch; "-" where a report has none.
 """
 
 import sys
@@ -10,18 +14,27 @@ import xml.etree.ElementTree as ET
 from collections import Counter
 
 
-def main(path: str) -> None:
-    seconds: Counter[str] = Counter()
+def main(paths: list[str]) -> None:
+    wall: Counter[str] = Counter()
+    cpu: Counter[str] = Counter()
+    measured: set[str] = set()
     tests: Counter[str] = Counter()
-    for case in ET.parse(path).iter("testcase"):
-        module = case.get("classname", "?").removeprefix("tests.").split(".")[0]
-        seconds[module] += float(case.get("time") or 0.0)
-        tests[module] += 1
-    print(f"ci: {'module':32s} {'tests':>5s} {'seconds':>8s}")
-    for module, spent in seconds.most_common():
-        print(f"ci: {module:32s} {tests[module]:5d} {spent:8.1f}")
-    print(f"ci: {'total':32s} {sum(tests.values()):5d} {sum(seconds.values()):8.1f}")
+    for path in paths:
+        for case in ET.parse(path).iter("testcase"):
+            module = case.get("classname", "?").removeprefix("tests.").split(".")[0]
+            wall[module] += float(case.get("time") or 0.0)
+            tests[module] += 1
+            for prop in case.iter("property"):
+                if prop.get("name") == "cpu_s":
+                    cpu[module] += float(prop.get("value") or 0.0)
+                    measured.add(module)
+    print(f"ci: {'module':32s} {'tests':>5s} {'wall-s':>8s} {'cpu-s':>8s}")
+    for module, spent in wall.most_common():
+        used = f"{cpu[module]:8.1f}" if module in measured else f"{'-':>8s}"
+        print(f"ci: {module:32s} {tests[module]:5d} {spent:8.1f} {used}")
+    total_cpu = f"{sum(cpu.values()):8.1f}" if measured else f"{'-':>8s}"
+    print(f"ci: {'total':32s} {sum(tests.values()):5d} {sum(wall.values()):8.1f} {total_cpu}")
 
 
 if __name__ == "__main__":
-    main(sys.argv[1])
+    main(sys.argv[1:])

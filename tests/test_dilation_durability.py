@@ -544,11 +544,6 @@ async def test_silent_stall_is_aborted_and_replaced_ours_to_ours(
         await close_all(a, b)
 
 
-def _unsent_bytes(transport: Any) -> int:
-    """Bytes a Twisted TCP transport still holds because the socket would not take them."""
-    return len(transport.dataBuffer) - transport.offset + transport._tempDataLen
-
-
 # The reference as the peer, through the same stalled relay path, busy. What
 # happens depends on who sends, because the reference ends a connection with
 # loseConnection(), which waits for its send buffer to drain first:
@@ -567,20 +562,16 @@ def _unsent_bytes(transport: Any) -> int:
 #   `reconnecting` (ours, Leader, waits in FLUSHING). Nothing moves until the
 #   path itself comes back. Nothing on our side can help: the reference drops
 #   hints until it has seen its old connection go.
+#
+# Only the cases where ours sends are tested: the reference-sends cases stay
+# stuck only while its unsent data does not fit in the kernel's socket buffers,
+# which depends on timing. They were observed as above, not asserted.
 @pytest.mark.parametrize(
-    ("our_side", "ours_sends", "recovers"),
-    [
-        (LEADER_SIDE, True, True),
-        (FOLLOWER_SIDE, True, True),
-        # The reference-sends cases stay stuck only while its unsent data does
-        # not fit in the kernel's socket buffers, which depends on timing: we
-        # observed them (see above) but do not assert them, to keep CI stable.
-    ],
-    ids=["ours-leader-sends", "ours-follower-sends"],
+    "our_side", [LEADER_SIDE, FOLLOWER_SIDE], ids=["ours-leader-sends", "ours-follower-sends"]
 )
 @reactor_test(timeout=120)
 async def test_busy_silent_stall_with_the_reference(
-    wormhole_servers, stalling_proxy, sides, caplog, our_side, ours_sends, recovers
+    wormhole_servers, stalling_proxy, sides, caplog, our_side
 ):
     caplog.set_level(logging.INFO, logger="spark_dilation.dilation")
     sides(our_side)
@@ -595,45 +586,19 @@ async def test_busy_silent_stall_with_the_reference(
     try:
         assert a.dw.status().role == ("leader" if ours_lead else "follower")
         assert a.dw.status().connection == f"relay {stalling_proxy.hint()}"
-        sender, receiver = (a, b) if ours_sends else (b, a)
         plan = Plan(64 * MiB)
         snd, rcv = Sender(plan), Receiver(plan)
         stalled: list[int] = []
         generation = a.generation
 
         rcv.milestones = [(0.3, lambda: stalled.append(stalling_proxy.stall_existing()))]
-        await start_transfer(sender, receiver, snd, rcv)
-        done = defer.gatherResults([snd.finished, rcv.done], consumeErrors=True)
-
-        if recovers:
-            await done
-            assert stalled == [2]
-            assert_intact(snd, rcv)
-            assert a.generation > generation
-            assert a.dw.status().connection == f"relay {stalling_proxy.hint()}"
-            if ours_lead:
-                assert_keepalive_aborted(caplog, "follower")
-            return
-
-        # Stuck: the reference called loseConnection() on its stalled L2 and
-        # waits for data that can never leave; ours has dropped the L2 and
-        # waits for the reference's L1 message.
-        ref_l2 = b.manager._connection
-        assert ref_l2 is not None
-        await wait_until(lambda: ref_l2.transport.disconnecting and a.l2_transport() is None)
-        assert_keepalive_aborted(caplog, "follower" if ours_lead else "leader")
-        count = rcv.count
-        await sleep(4 * PING_INTERVAL)  # documents, does not measure: nothing can change
-        assert ref_l2.transport.connected and _unsent_bytes(ref_l2.transport) > 0
-        assert b.manager._connection is ref_l2 and not done.called and rcv.count == count
-        assert a.generation == generation
-        assert a.dw.status().state == ("FLUSHING" if ours_lead else "LONELY")
-
-        # Once the path moves again the reference sees its connection end,
-        # and the next generation completes the transfer intact.
-        stalling_proxy.release()
-        await done
+        await start_transfer(a, b, snd, rcv)
+        await defer.gatherResults([snd.finished, rcv.done], consumeErrors=True)
+        assert stalled == [2]
         assert_intact(snd, rcv)
         assert a.generation > generation
+        assert a.dw.status().connection == f"relay {stalling_proxy.hint()}"
+        if ours_lead:
+            assert_keepalive_aborted(caplog, "follower")
     finally:
         await close_all(a, b)

@@ -23,6 +23,7 @@ from wormhole import _hints as ref  # the reference: a test-only oracle
 
 from spark_dilation.dilation.blocking import BlockingDilation
 from spark_dilation.dilation.connector import GenerationConnector
+from spark_dilation.testing.leftovers import RUN_PREFIX_ENV
 from spark_dilation.transfer.rules.report import TransferReport
 from spark_dilation.transit import hints as H
 from spark_dilation.transit.addresses import (
@@ -165,8 +166,9 @@ def test_local_addresses_in_a_namespace_without_a_default_route():
     Before, ``local_addresses()`` answered ``["127.0.0.1"]`` here.
     """
     pid = os.getpid()
-    ns, host_end, ns_end = f"sdhints{pid}", f"sdh{pid}h", f"sdh{pid}n"
-    down_a, down_b = f"sdh{pid}a", f"sdh{pid}b"
+    run = os.environ.get(RUN_PREFIX_ENV, "sd")  # the leftover check sees the run's names
+    ns, host_end, ns_end = f"{run}hints{pid}", f"{run}{pid}h", f"{run}{pid}n"
+    down_a, down_b = f"{run}{pid}a", f"{run}{pid}b"
     subprocess.run(["ip", "netns", "del", ns], capture_output=True)  # a crashed run's
     try:
         _ip("netns", "add", ns)

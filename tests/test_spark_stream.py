@@ -133,17 +133,22 @@ def run_through_kills(apps: list[App], kills: int, timeout: float) -> list[App]:
 
 def stream_host_ends(pairing: Path, within: float = 10.0) -> None:
     """The sending side's stream host ends within seconds of its application (the last
-    one a dying application launched included): nothing is left running."""
-    pid_file = stream_host_path(pairing) / "host.pid"
+    one a dying application launched included), and its folder in $TMPDIR goes with
+    it: nothing is left running or in the temp folder."""
+    folder = stream_host_path(pairing)
     deadline = time.monotonic() + within
     while True:
         try:
-            pid = int(pid_file.read_text())
+            pid = int((folder / "host.pid").read_text())
         except (OSError, ValueError):
-            return  # the host removed its pid file on its way out
-        if not alive(pid):
+            pid = None  # the host removed its pid file on its way out
+        if (pid is None or not alive(pid)) and not folder.exists():
             return
-        assert time.monotonic() < deadline, f"stream host {pid} still runs {within:g} s on"
+        assert time.monotonic() < deadline, (
+            f"stream host {pid} still runs {within:g} s on"
+            if pid is not None and alive(pid)
+            else f"its folder {folder} is still there: {sorted(p.name for p in folder.iterdir())}"
+        )
         time.sleep(0.2)
 
 

@@ -10,12 +10,7 @@ import pyarrow as pa
 import pytest
 from pyspark.sql.types import LongType, StructField, StructType
 
-from spark_dilation.spark.checkpoint import (
-    DEFAULT_FS_ENV,
-    cluster_master,
-    default_fs,
-    local_checkpoint,
-)
+from spark_dilation.spark.checkpoint import DEFAULT_FS_ENV, default_fs, local_checkpoint
 from spark_dilation.spark.datasource import DilationDataSource
 from spark_dilation.spark.options import OptionError
 from spark_dilation.spark.stream import (
@@ -283,21 +278,31 @@ def test_a_receiving_stream_on_a_cluster_is_told_where_its_state_should_live() -
 def test_the_cluster_master_as_a_driver_worker_learns_it(
     monkeypatch: pytest.MonkeyPatch, tmp_path: Path
 ) -> None:
-    """No Spark conf reaches a driver's Python worker: the runtime, spark-submit, spark-defaults."""
+    """No Spark conf reaches a driver's Python worker: the runtime, the JVM, spark-defaults."""
+    from spark_dilation.spark import locality
+
     monkeypatch.delenv("DATABRICKS_RUNTIME_VERSION", raising=False)
     monkeypatch.delenv("SPARK_HOME", raising=False)
     monkeypatch.setenv("SPARK_CONF_DIR", str(tmp_path))
-    java = ["java", "-cp", "x", "org.apache.spark.deploy.SparkSubmit"]
-    assert cluster_master([]) is None
-    assert cluster_master([*java, "--master", "local[2]", "app.py"]) is None
-    assert cluster_master([*java, "--master", "spark://m:7077", "app.py"]) == "spark://m:7077"
-    assert cluster_master([*java, "--master=yarn", "app.py"]) == "yarn"
-    assert cluster_master([*java, "--conf", "spark.master=k8s://h:443", "x"]) == "k8s://h:443"
+    jvm: list[str | None] = [None]
+    monkeypatch.setattr(locality, "driver_master", lambda: jvm[0])
+    assert locality.cluster_master() is None
+    for master, cluster in [
+        ("local[2]", None),
+        ("local-cluster[2,1,1024]", None),  # one machine: its disk is the cluster's
+        ("spark://m:7077", "spark://m:7077"),
+        ("yarn", "yarn"),
+        ("k8s://h:443", "k8s://h:443"),
+    ]:
+        jvm[0] = master
+        assert locality.cluster_master() == cluster, master
+    jvm[0] = None
     (tmp_path / "spark-defaults.conf").write_text("# cluster\nspark.master\tspark://d:7077\n")
-    assert cluster_master([]) == "spark://d:7077"
-    assert cluster_master([*java, "--master", "local[*]"]) is None  # the command line wins
+    assert locality.cluster_master() == "spark://d:7077"
+    jvm[0] = "local[*]"
+    assert locality.cluster_master() is None  # the JVM's own master wins
     monkeypatch.setenv("DATABRICKS_RUNTIME_VERSION", "17.3")
-    assert cluster_master([]) == "Databricks"
+    assert locality.cluster_master() == "Databricks"
 
 
 def test_a_raw_receiving_source_on_a_cluster_logs_where_its_state_should_live(

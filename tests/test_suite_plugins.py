@@ -1,9 +1,11 @@
 """The suite's own plugins, each in an inner pytest run of its own.
 
 The leftover check (spark_dilation.testing.leftovers): one test plants a file
-in /tmp, a process of the run and a network namespace (whose mount under
-/run/netns comes with it); the run must fail naming each, and kill the process.
-A clean inner run, whose temp files go where the plugin points TMPDIR, passes.
+in the run's temp folder, a process of the run and a network namespace with the
+run's prefix (whose mount under /run/netns comes with it); the run must fail
+naming each, and kill the process. Another job's files in /tmp and its
+namespaces, made while the run goes, do not fail it; nor does a clean inner
+run's temp file that it removes.
 The live failure line (spark_dilation.testing.live_failures) comes before the
 summary, with and without xdist.
 """
@@ -18,29 +20,36 @@ from pathlib import Path
 
 import pytest
 
-from spark_dilation.testing.leftovers import RUN_MARK, SYSTEM_TMP
+from spark_dilation.testing.leftovers import RUN_MARK, RUN_PREFIX_ENV, SYSTEM_TMP
 from spark_dilation.testing.waiting import wait_until
 
 pytestmark = pytest.mark.integration
 
 PLANTING = """\
-import subprocess, tempfile
+import os, subprocess, tempfile
 
 def test_plants():
-    open({file!r}, "w").close()
+    fd, name = tempfile.mkstemp(prefix="planted-")
+    os.close(fd)
+    print("PLANTED", name)
     subprocess.Popen(["sleep", "300"], start_new_session=True)
-    subprocess.run(["ip", "netns", "add", {ns!r}], check=True)
+    subprocess.run(["ip", "netns", "add", os.environ[{prefix_env!r}] + "-plant"], check=True)
 """
 
 CLEAN = """\
 import os, subprocess, sys, tempfile
 
 def test_leaves_nothing(tmp_path):
-    fd, name = tempfile.mkstemp(prefix="kept-by-pytest-")
+    fd, name = tempfile.mkstemp(prefix="removed-")
     os.close(fd)
-    assert not name.startswith("/tmp/kept"), name  # TMPDIR points into pytest's folders
+    assert not name.startswith("/tmp/removed"), name  # TMPDIR points into pytest's folders
+    os.unlink(name)
+    os.makedirs(os.path.join(tempfile.gettempdir(), "empty", "folders"))  # hold nothing
     (tmp_path / "x").write_text("pytest's own")
     subprocess.run([sys.executable, "-c", "pass"], check=True)
+    # Another job on the machine, meanwhile: a file in /tmp and a namespace of its own.
+    open({other_file!r}, "w").close()
+    subprocess.run(["ip", "netns", "add", {other_ns!r}], check=True)
 """
 
 
@@ -59,6 +68,8 @@ def _inner_run(
     test = tmp_path / "inner" / "test_inner.py"
     test.write_text(source)
     env = {k: v for k, v in os.environ.items() if k not in ("PYTEST_ADDOPTS", RUN_MARK)}
+    # The inner run's own prefix: "sq" is never a suite run's ("sd"), so neither sees the other's.
+    env[RUN_PREFIX_ENV] = "sq" + uuid.uuid4().hex[:3]
     return subprocess.run(
         [sys.executable, "-m", "pytest", "-p", plugin, "-p", "no:cacheprovider", "-q",
          f"--basetemp={tmp_path / 'base'}", *args, str(test)],
@@ -67,17 +78,19 @@ def _inner_run(
 
 
 def test_a_planted_file_process_and_namespace_fail_the_run(tmp_path: Path) -> None:
-    tag = uuid.uuid4().hex[:8]
-    planted = SYSTEM_TMP / f"spark-dilation-planted-{tag}"
-    ns = f"sdplant-{tag}"
+    run = _inner_run(tmp_path, PLANTING.format(prefix_env=RUN_PREFIX_ENV), "-s")
+    out = run.stdout + run.stderr
+    print(out)
+    planted = next(line.split()[1] for line in out.splitlines() if line.startswith("PLANTED "))
+    ns = next(
+        line.split()[-1] for line in out.splitlines() if "left behind: network namespace" in line
+    )
     try:
-        run = _inner_run(tmp_path, PLANTING.format(file=str(planted), ns=ns))
-        out = run.stdout + run.stderr
-        print(out)
         assert run.returncode == 1, out
         assert "1 passed" in out, out  # the test passed: the check failed the run
+        assert planted.startswith(str(tmp_path / "base" / "tmp")), planted
         assert f"left behind: file {planted}" in out, out
-        assert f"left behind: network namespace {ns}" in out, out
+        assert ns.startswith("sq") and ns.endswith("-plant"), out
         assert f"left behind: mount /run/netns/{ns}" in out, out
         sleeper = [line for line in out.splitlines() if "left behind: process" in line]
         assert len(sleeper) == 1 and sleeper[0].endswith("sleep 300"), out
@@ -85,16 +98,21 @@ def test_a_planted_file_process_and_namespace_fail_the_run(tmp_path: Path) -> No
         # Reported, then killed (and reaped by init).
         wait_until("the planted sleeper to be gone", lambda: not _alive(pid), 5)
     finally:
-        planted.unlink(missing_ok=True)
         subprocess.run(["ip", "netns", "del", ns], capture_output=True, check=False)
 
 
-def test_a_clean_run_passes(tmp_path: Path) -> None:
-    run = _inner_run(tmp_path, CLEAN)
-    out = run.stdout + run.stderr
-    assert run.returncode == 0, out
-    assert "left behind" not in out, out
-    assert list((tmp_path / "base" / "tmp").glob("kept-by-pytest-*")), "TMPDIR was not redirected"
+def test_a_clean_run_passes_while_another_job_writes_beside_it(tmp_path: Path) -> None:
+    tag = uuid.uuid4().hex[:8]
+    other_file, other_ns = SYSTEM_TMP / f"another-job-{tag}", f"otherjob{tag[:4]}"
+    try:
+        run = _inner_run(tmp_path, CLEAN.format(other_file=str(other_file), other_ns=other_ns))
+        out = run.stdout + run.stderr
+        assert run.returncode == 0, out
+        assert "left behind" not in out, out
+        assert other_file.exists()  # made during the run, and not the run's
+    finally:
+        other_file.unlink(missing_ok=True)
+        subprocess.run(["ip", "netns", "del", other_ns], capture_output=True, check=False)
 
 
 FAILING = """\

@@ -139,12 +139,16 @@ async def test_mailbox_connection_dropped_during_close_still_closes(wormhole_ser
     r.allocate_code()
     w.set_code(await r.get_code())
     await w.get_verifier()
+    connections = proxy.total_connections
     proxy.freeze()  # the close request cannot reach the server...
     closing = w.close()
     await sleep(0.2)
+    assert not closing.called  # held by the frozen path
     proxy.drop_connections()  # ...until the connection is replaced
     proxy.thaw()
     await closing
+    # It closed over a new connection: ours reconnected and sent its close again.
+    assert proxy.total_connections > connections
     # Our version may have been in flight when the proxy froze: it must still
     # reach the reference (resent on the new connection) before it closes,
     # else the reference's close would rightly report LonelyError.

@@ -8,8 +8,8 @@ Databricks, HDFS on many clusters). Only a local checkpoint is a folder this
 process can keep files in; anything else is not ours to write.
 
 The driver's Python workers, where a source and a sink plan, see no Spark
-configuration: what they know of the file system and the master comes from the
-environment, ``spark-defaults.conf`` and the driver JVM's command line.
+configuration: what they know of the file system comes from the environment and
+the configuration files.
 """
 
 from __future__ import annotations
@@ -58,7 +58,7 @@ def default_fs() -> str | None:
         return os.environ[DEFAULT_FS_ENV]
     if os.environ.get("DATABRICKS_RUNTIME_VERSION"):
         return "dbfs:/"
-    configured = _spark_default("spark.hadoop.fs.defaultFS")
+    configured = spark_default("spark.hadoop.fs.defaultFS")
     if configured:
         return configured
     hadoop = os.environ.get("HADOOP_CONF_DIR")
@@ -73,7 +73,7 @@ def default_fs() -> str | None:
     return None
 
 
-def _spark_default(key: str) -> str | None:
+def spark_default(key: str) -> str | None:
     """``key`` in ``spark-defaults.conf`` (``$SPARK_CONF_DIR``, else ``$SPARK_HOME/conf``)."""
     conf_dir = os.environ.get("SPARK_CONF_DIR") or (
         os.path.join(os.environ["SPARK_HOME"], "conf") if os.environ.get("SPARK_HOME") else None
@@ -88,50 +88,4 @@ def _spark_default(key: str) -> str | None:
                     return parts[1].strip()
     except OSError:
         pass
-    return None
-
-
-def _master_argument(argv: list[str]) -> str | None:
-    """The master on a ``spark-submit`` line: ``--master X`` or ``--conf spark.master=X``."""
-    for i, arg in enumerate(argv):
-        if arg == "--master" and i + 1 < len(argv):
-            return argv[i + 1]
-        if arg.startswith("--master="):
-            return arg.partition("=")[2]
-        if arg.startswith("spark.master="):
-            return arg.partition("=")[2]
-    return None
-
-
-def _jvm_argv() -> list[str]:
-    """The command line of the JVM this process descends from (a driver's Python worker is
-    its child, or a child of its ``pyspark.daemon``), or [] (none, or not Linux)."""
-    pid = os.getpid()
-    for _ in range(4):
-        try:
-            with open(f"/proc/{pid}/stat", "rb") as f:  # "pid (comm) state ppid ..."
-                pid = int(f.read().rsplit(b")", 1)[1].split()[1])
-            with open(f"/proc/{pid}/cmdline", "rb") as f:
-                argv = [a.decode(errors="replace") for a in f.read().split(b"\0") if a]
-        except (OSError, ValueError, IndexError):
-            return []
-        if argv and os.path.basename(argv[0]) == "java":
-            return argv
-        if pid <= 1:
-            break
-    return []
-
-
-def cluster_master(jvm_argv: list[str] | None = None) -> str | None:
-    """The cluster this driver runs on, as a driver's Python worker can learn it, or None
-    (a ``local`` master, or nothing says). Databricks by its runtime's environment; else
-    the master given to ``spark-submit`` (the driver JVM's command line), else
-    ``spark.master`` in ``spark-defaults.conf``. A master set only in code
-    (``SparkSession.builder.master``) is not visible here."""
-    if os.environ.get("DATABRICKS_RUNTIME_VERSION"):
-        return "Databricks"
-    argv = _jvm_argv() if jvm_argv is None else jvm_argv
-    master = _master_argument(argv) or _spark_default("spark.master")
-    if master and not master.startswith("local"):
-        return master
     return None

@@ -1,4 +1,5 @@
 """Does this Spark application run its tasks on this machine? (for early lanes)
+On which cluster does its driver run? (for a stream's state, :func:`cluster_master`)
 
 A data source's planner worker (where ``schema()`` runs) cannot ask Spark for
 its master. Its ancestor is the driver JVM, whose command line carries the
@@ -9,9 +10,11 @@ machine; anything else, or no answer, is "not known to be local".
 
 from __future__ import annotations
 
+import os
 from pathlib import Path
 
 from ..transfer.machine import driver_jvm_pid
+from .checkpoint import spark_default
 
 
 def _cmdline(pid: int) -> list[str]:
@@ -48,3 +51,14 @@ def driver_master(pid: int | None = None) -> str | None:
 def tasks_run_here() -> bool:
     """True when the JVM above this process is a local or local-cluster Spark driver."""
     return is_local_master(driver_master())
+
+
+def cluster_master() -> str | None:
+    """The cluster this driver runs on, as a driver's Python worker can learn it, or None
+    (a local master, or nothing says): Databricks by its runtime's environment; else the
+    driver JVM's master (:func:`driver_master`); else ``spark.master`` in
+    ``spark-defaults.conf``."""
+    if os.environ.get("DATABRICKS_RUNTIME_VERSION"):
+        return "Databricks"
+    master = driver_master() or spark_default("spark.master")
+    return None if master is None or is_local_master(master) else master

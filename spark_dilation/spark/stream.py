@@ -60,7 +60,8 @@ except ImportError:
 from ..transfer.rules.options import TransferOptions
 from ..transfer.rules.pairing import RECORD_NAME
 from . import faults
-from .checkpoint import cluster_master, default_fs, local_checkpoint
+from .checkpoint import default_fs, local_checkpoint
+from .locality import cluster_master
 from .options import STREAM_READ_OPTIONS, OptionError
 from .staged import cast_batch
 

@@ -1,33 +1,32 @@
 """A pytest plugin that fails the run if the suite left anything behind.
 
 Enable it with ``pytest_plugins = ["spark_dilation.testing.leftovers"]`` (or
-``-p spark_dilation.testing.leftovers``). At the start of the run it takes a
-snapshot; at the end it compares:
+``-p spark_dilation.testing.leftovers``). It sees only the run's own things, so
+another job on the machine (a second suite, a notebook, a build) never fails
+it, while anything the suite leaves still does:
 
 - **processes** carrying this run's mark: the plugin puts ``RUN_MARK=<id>`` in
   the environment before anything starts, so every process the suite starts
   (xdist workers, Spark JVMs, servers, CLI runs, daemons that re-parented to
   init) inherits it; those still alive after ``PROCESS_GRACE`` seconds are
   reported and then killed, so a failing run does not leave them either;
-- **network namespaces** (``ip netns list``) and **mount points**
-  (``/proc/self/mountinfo``) that were not there before;
-- **files and folders** new at the top of the system temp folder (``/tmp``),
-  except pytest's own (``pytest-of-*``) and the JVM's shared perf-data folders
-  (``hsperfdata_*``, which every JVM shares and empties on exit).
+- **files** in the run's private temp folder: ``TMPDIR`` (Python, our helpers
+  and servers), ``SPARK_LOCAL_DIRS`` (Spark's ``spark-*`` and ``blockmgr-*``
+  folders) and the JVM's ``java.io.tmpdir`` (``SPARK_SUBMIT_OPTS``) all point
+  at a folder inside pytest's base temp, empty when the run starts; any file
+  in it at the end is left behind (empty folders hold nothing);
+- **network namespaces**, their **mounts** and the namespace machines' run
+  folders in ``/tmp`` named with the run's prefix (``RUN_PREFIX_ENV``, which
+  ``netcluster`` puts first in every name it makes).
 
-Files are kept out of ``/tmp`` by construction: the plugin points ``TMPDIR``
-(Python, our helpers and servers), ``SPARK_LOCAL_DIRS`` (Spark's ``spark-*`` and
-``blockmgr-*`` folders) and the JVM's ``java.io.tmpdir`` (``SPARK_SUBMIT_OPTS``)
-at a folder inside pytest's base temp, which pytest prunes after three runs.
-
-With pytest-xdist the snapshot and the check run in the controller only, after
-every worker has exited. The check only reports; it removes nothing but the
-marked processes.
+With pytest-xdist the check runs in the controller only, after every worker has
+exited. It only reports; it removes nothing but the marked processes.
 """
 
 from __future__ import annotations
 
 import os
+import shutil
 import signal
 import subprocess
 import tempfile
@@ -39,22 +38,43 @@ from pathlib import Path
 import pytest
 
 RUN_MARK = "SPARK_DILATION_TEST_RUN"
+# The run's prefix for namespaces, links and their /tmp run folders: "sd" and three
+# hex digits of the mark (netcluster adds one of its own, for an interface
+# name's 15 characters).
+RUN_PREFIX_ENV = "SPARK_DILATION_TEST_PREFIX"
 PROCESS_GRACE = 15.0  # s for the run's processes to finish exiting before they count
 SYSTEM_TMP = Path("/tmp")
-IGNORED_TMP_PREFIXES = ("pytest-of-", "hsperfdata_")
+NETNS_MOUNTS = "/run/netns/"
+NETCLUSTER_RUN_DIR = "sdnc-"  # netcluster.RUN_DIR_PREFIX, in /tmp (short socket paths)
+IGNORED_NAMES = ("hsperfdata_",)  # the JVM's perf data, which every JVM shares
 
 
 @dataclass(frozen=True)
-class Snapshot:
-    """What existed before the run: the baseline the check compares against."""
+class Scope:
+    """The run's own things: its private temp folder and its name prefix."""
 
-    tmp_entries: frozenset[str]
-    namespaces: frozenset[str]
-    mounts: frozenset[str]
+    private_tmp: Path
+    prefix: str
 
-    @classmethod
-    def take(cls) -> Snapshot:
-        return cls(tmp_entries(), namespaces(), mounts())
+    def files(self) -> list[str]:
+        """Files under the private temp folder (and what cannot be read there)."""
+        found: list[str] = []
+
+        def unreadable(error: OSError) -> None:
+            found.append(f"{error.filename} (unreadable: {error.strerror})")
+
+        for root, dirs, names in os.walk(self.private_tmp, onerror=unreadable):
+            dirs[:] = [d for d in dirs if not d.startswith(IGNORED_NAMES)]
+            found += [os.path.join(root, n) for n in names if not n.startswith(IGNORED_NAMES)]
+        run_dirs = SYSTEM_TMP.glob(f"{NETCLUSTER_RUN_DIR}{self.prefix[2:]}*")
+        return sorted(found) + sorted(str(p) for p in run_dirs)
+
+    def namespaces(self) -> list[str]:
+        return sorted(n for n in namespaces() if n.startswith(self.prefix))
+
+    def mounts(self) -> list[str]:
+        own = (NETNS_MOUNTS + self.prefix, str(self.private_tmp) + os.sep)
+        return sorted(m for m in mounts() if m.startswith(own))
 
 
 @dataclass
@@ -74,13 +94,6 @@ class Leftovers:
         ):
             out += [f"left behind: {kind} {item}" for item in items]
         return out
-
-
-def tmp_entries() -> frozenset[str]:
-    try:
-        return frozenset(p.name for p in SYSTEM_TMP.iterdir())
-    except OSError:
-        return frozenset()
 
 
 def namespaces() -> frozenset[str]:
@@ -137,8 +150,8 @@ def helper_processes(marker: str) -> list[int]:
     return found
 
 
-def find(before: Snapshot, mark: str, grace: float = PROCESS_GRACE) -> Leftovers:
-    """What is there now and was not in ``before``; waits up to ``grace`` s for processes."""
+def find(scope: Scope, mark: str, grace: float = PROCESS_GRACE) -> Leftovers:
+    """The run's things still there; waits up to ``grace`` s for its processes to exit."""
     deadline = time.monotonic() + grace
     procs = marked_processes(mark)
     while procs and time.monotonic() < deadline:
@@ -146,13 +159,9 @@ def find(before: Snapshot, mark: str, grace: float = PROCESS_GRACE) -> Leftovers
         procs = marked_processes(mark)
     return Leftovers(
         processes=procs,
-        namespaces=sorted(namespaces() - before.namespaces),
-        mounts=sorted(mounts() - before.mounts),
-        files=sorted(
-            str(SYSTEM_TMP / name)
-            for name in tmp_entries() - before.tmp_entries
-            if not name.startswith(IGNORED_TMP_PREFIXES)
-        ),
+        namespaces=scope.namespaces(),
+        mounts=scope.mounts(),
+        files=scope.files(),
     )
 
 
@@ -174,25 +183,27 @@ def pytest_configure(config: pytest.Config) -> None:
         return  # the controller set everything up; its environment is inherited
     mark = uuid.uuid4().hex[:12]
     os.environ[RUN_MARK] = mark
+    prefix = os.environ.setdefault(RUN_PREFIX_ENV, "sd" + mark[:3])
     scratch = config._tmp_path_factory.getbasetemp() / "tmp"  # type: ignore[attr-defined]
-    scratch.mkdir(exist_ok=True)
+    shutil.rmtree(scratch, ignore_errors=True)  # a --basetemp given again: start empty
+    scratch.mkdir()
     os.environ["TMPDIR"] = str(scratch)
     os.environ["SPARK_LOCAL_DIRS"] = str(scratch)
     opts = os.environ.get("SPARK_SUBMIT_OPTS", "")
     os.environ["SPARK_SUBMIT_OPTS"] = f"{opts} -Djava.io.tmpdir={scratch}".strip()
     tempfile.tempdir = None  # forget the cached /tmp
-    config.stash[_SNAPSHOT] = Snapshot.take()
+    config.stash[_SCOPE] = Scope(scratch, prefix)
 
 
-_SNAPSHOT = pytest.StashKey[Snapshot]()
+_SCOPE = pytest.StashKey[Scope]()
 
 
 @pytest.hookimpl(trylast=True)
 def pytest_sessionfinish(session: pytest.Session, exitstatus: int) -> None:
     config = session.config
-    if _is_worker(config) or _SNAPSHOT not in config.stash:
+    if _is_worker(config) or _SCOPE not in config.stash:
         return
-    found = find(config.stash[_SNAPSHOT], os.environ[RUN_MARK])
+    found = find(config.stash[_SCOPE], os.environ[RUN_MARK])
     lines = found.lines()
     if not lines:
         return

@@ -265,6 +265,15 @@ def _source_root() -> str:
 _AVAILABLE: tuple[bool, str] | None = None
 
 
+def _run_prefix() -> str:
+    """The test run's name prefix (its leftover check looks for it), else ``sd``: every
+    namespace, link and run folder starts with it. Names are 6 characters in all."""
+    from spark_dilation.testing.leftovers import RUN_PREFIX_ENV
+
+    prefix = os.environ.get(RUN_PREFIX_ENV, "sd")
+    return prefix if len(prefix) < 6 else "sd"
+
+
 def netns_available() -> tuple[bool, str]:
     """Whether this host can run :func:`start_net_clusters`, and why not.
 
@@ -294,7 +303,7 @@ def _probe() -> tuple[bool, str]:
         return False, f"pyspark is not importable: {e}"
     if not spark_class.exists():
         return False, f"{spark_class} does not exist"
-    probe = f"sdprobe{secrets.token_hex(2)}"
+    probe = f"{_run_prefix()}probe{secrets.token_hex(1)}"
     try:
         _run(["ip", "netns", "add", probe], None)
         try:
@@ -1040,7 +1049,8 @@ def start_net_clusters(
     with _registry_lock():
         slot = _choose_slot()
         while True:
-            prefix = "sd" + secrets.token_hex(2)
+            run = _run_prefix()
+            prefix = run + secrets.token_hex((6 - len(run) + 1) // 2)[: 6 - len(run)]
             if not (RUN_PARENT / f"{RUN_DIR_PREFIX}{prefix[2:]}").exists() and not any(
                 n.startswith(prefix + "-") for n in _netns_list() + _links()
             ):

@@ -36,6 +36,9 @@ log = logging.getLogger(__name__)
 KIND_BATCH = b"B"
 PART_FRAME = 16 * 1024 * 1024
 HOST_START_WAIT = 60.0  # a host being started imports Twisted before it listens
+# In the pairing folder, not the host's temp folder: why the last sending run ended,
+# for the next commit to raise (and take). Nothing is left in $TMPDIR when a run ends.
+HOST_ERROR = "host-error.json"
 
 
 def stream_host_path(pairing_dir: Path) -> Path:
@@ -56,9 +59,9 @@ def _pid(directory: Path) -> int | None:
     return None
 
 
-def _left_error(directory: Path) -> BaseException | None:
+def _left_error(pairing_dir: Path) -> BaseException | None:
     """The error a host that ended left (taken: the next start tries afresh)."""
-    path = directory / "error.json"
+    path = Path(pairing_dir) / HOST_ERROR
     with contextlib.suppress(OSError, ValueError):
         error = rebuild_error(json.loads(path.read_text()))
         path.unlink()
@@ -84,7 +87,7 @@ def ensure_host(pairing_dir: Path, start: dict[str, Any]) -> Path:
         fcntl.flock(fd, fcntl.LOCK_EX)
         if _pid(directory) is not None:
             return directory
-        error = _left_error(directory)
+        error = _left_error(pairing_dir)
         if error is not None:
             raise error
         token = secrets.token_bytes(32)
@@ -101,13 +104,13 @@ def ensure_host(pairing_dir: Path, start: dict[str, Any]) -> Path:
     return directory
 
 
-def _open(directory: Path) -> LocalLink:
+def _open(directory: Path, pairing_dir: Path) -> LocalLink:
     sock = directory / "host.sock"
 
     def failed() -> BaseException | None:
         if _pid(directory) is not None:
             return None
-        return _left_error(directory) or TransferError(
+        return _left_error(pairing_dir) or TransferError(
             f"the stream's sending process ended; see {directory / 'host.log'}"
         )
 
@@ -132,7 +135,7 @@ def deliver_batch(
     """Hand micro-batch ``request["batch"]`` to the stream host; its sequence number on
     the receiving side once it is staged there (the host's error otherwise)."""
     directory = ensure_host(pairing_dir, start)
-    link = _open(directory)
+    link = _open(directory, pairing_dir)
     try:
         link.send_json(request)
         for data in parts:  # each in frames under the link's limit, then an empty one
@@ -166,7 +169,7 @@ def abort_batch(pairing_dir: Path, batch: int) -> None:
     if _pid(directory) is None or not (directory / "host.sock").exists():
         return
     with contextlib.suppress(TransferError, OSError):
-        link = _open(directory)
+        link = _open(directory, pairing_dir)
         try:
             link.send_json({"abort": batch})
             link.recv_json(timeout=10)

@@ -14,8 +14,9 @@ the sending application does (its driver JVM, :func:`~..machine.watch`):
 * a new pair (either side restarted) is sent every partition and manifest not
   yet answered (:class:`~..rules.ledger.SinkLedger`), so nothing is lost.
 
-Its folder (``host.sock``, ``host.pid``, ``token``, ``host.log``, ``error.json``
-when it could not start) is :func:`stream_host_dir`; it is removed on exit.
+Its folder (``host.sock``, ``host.pid``, ``token``, ``host.log``) is
+:func:`stream_host_dir`; it is removed on exit. A run that cannot go on leaves
+its cause in the pairing folder (``HOST_ERROR``) for the next commit to raise.
 """
 
 from __future__ import annotations
@@ -44,7 +45,7 @@ from ..rules.errors import LinkError, error_record
 from ..rules.ledger import SinkLedger
 from ..rules.pairing import RECORD_NAME, SENDER, Pair, PairingError
 from .hostlink import unix_address
-from .streamclient import stream_host_dir
+from .streamclient import HOST_ERROR, stream_host_dir
 
 log = logging.getLogger(__name__)
 
@@ -130,13 +131,14 @@ class StreamHost:
     def _end(self, error: BaseException) -> None:
         log.warning("this stream's run cannot go on: %s", error)
         self.ended = error
-        atomic_write(self.dir / "error.json", json.dumps(error_record(error)), mode=0o600)
+        body = json.dumps(error_record(error))
+        atomic_write(self.pairing_dir / HOST_ERROR, body, mode=0o600)
         for d in list(self.waiting.values()):
             d.errback(error)
         self.waiting.clear()
         from twisted.internet import reactor
 
-        # This process ends: the next commit starts a host that reads error.json's
+        # This process ends: the next commit starts a host that reads HOST_ERROR's
         # cause, or (after the user mended it) pairs again. The waiting commits are told first.
         reactor.callLater(1.0, self.done.set)
 
@@ -327,8 +329,7 @@ def main(argv: list[str] | None = None) -> int:
         for name in ("host.sock", "host.pid", "token", "launch.lock"):
             with contextlib.suppress(OSError):
                 (directory / name).unlink()
-        if not (directory / "error.json").exists():
-            shutil.rmtree(directory, ignore_errors=True)
+        shutil.rmtree(directory, ignore_errors=True)
 
 
 if __name__ == "__main__":
