@@ -51,14 +51,14 @@ JVM_ARCHIVE_DIR ?= build/jvm
 jvm-archive: venv
 	@$(PY) -m spark_dilation.testing.jvm_archive $(JVM_ARCHIVE_DIR) >/dev/null
 
-# Then the tests marked "alone", with the machine to themselves: the stream
+# First the tests marked "alone", with the machine to themselves: the stream
 # notebook plays two clusters in one local[2] JVM, and Spark gives each fresh
 # Python worker a fixed 10 s to connect back, which the suite's load can take.
 test: venv bytecode check-java jvm-archive
 	$(PY) -m ruff check .
 	$(PY) -m ruff format --check .
-	SPARK_DILATION_JVM_ARCHIVE=$(JVM_ARCHIVE_DIR) $(PY) -m pytest -n $(TEST_WORKERS) --dist loadgroup -m "not alone"
 	SPARK_DILATION_JVM_ARCHIVE=$(JVM_ARCHIVE_DIR) $(PY) -m pytest -m alone --junitxml=build/junit-alone.xml
+	SPARK_DILATION_JVM_ARCHIVE=$(JVM_ARCHIVE_DIR) $(PY) -m pytest -n $(TEST_WORKERS) --dist loadgroup -m "not alone"
 
 # The inner loop: lint and the tests that need no Spark, no server processes and
 # no processes of their own (about a minute).

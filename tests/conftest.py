@@ -38,8 +38,9 @@ if "JAVA_TOOL_OPTIONS" not in os.environ:  # set once, by the controller
 
 # `make check` runs the tests marked neither way: no Spark, no server processes,
 # no processes of their own. A test is "integration" if it uses one of these
-# fixtures or lives in one of these modules (their tests start CLIs, servers,
-# Spark applications, namespace machines or the reference peer themselves).
+# fixtures, lives in one of these modules (all of their tests start CLIs,
+# servers, Spark applications, namespace machines or the reference peer), or is
+# marked so itself (a module of mostly pure tests marks the ones that start processes).
 INTEGRATION_FIXTURES = frozenset(
     {"spark", "net_clusters", "wormhole_servers", "mailbox_url", "relay_url", "fresh_servers"}
 )
@@ -47,32 +48,20 @@ INTEGRATION_MODULES = frozenset(
     {
         "test_cancel",
         "test_cli",
-        "test_cli_dataset",
-        "test_cli_habits",
         "test_cli_progress_reconnect",
-        "test_compose",
-        "test_deadlines",
         "test_demo",
         "test_dilation_interop",
         "test_dilation_redial",
-        "test_install",
-        "test_lane_registry",
         "test_multimachine",
         "test_netcluster",
         "test_notebook_api",
         "test_notebooks",
-        "test_receive_errors",
         "test_sender_host",
-        "test_spark_connect",
         "test_spark_faults",
         "test_spark_stream",
-        "test_spark_files",
-        "test_spark_locality",
         "test_spark_transfer",
         "test_spark_tuning",
-        "test_testing_helpers",
         "test_transit_interop",
-        "test_wormhole_interop",
     }
 )
 

@@ -282,6 +282,7 @@ def test_usage_errors_are_one_line(mailbox_url: str, tmp_path: Path) -> None:
     assert both.returncode == 2 and "exactly one" in classic.stderr, classic.describe()
 
 
+@pytest.mark.integration  # starts processes of its own
 def test_dataset_send_to_an_unreachable_mailbox(tmp_path: Path) -> None:
     pq.write_table(flat(10), tmp_path / "a.parquet")
     result = run(ours(f"ws://127.0.0.1:{free_port()}/v1", "send", str(tmp_path / "a.parquet")))

@@ -175,6 +175,7 @@ def test_the_compose_file_has_the_services_the_readme_describes():
         assert env["SPARK_DILATION_RELAY"] == "tcp:wormhole:4001", name
 
 
+@pytest.mark.integration  # starts processes of its own
 def test_each_worker_registers_with_its_own_master(services):
     spec, remap, procs = services
 
@@ -205,6 +206,7 @@ def test_each_worker_registers_with_its_own_master(services):
         assert alive[0]["cores"] == 2
 
 
+@pytest.mark.integration  # starts processes of its own
 def test_the_wormhole_service_carries_a_dataset(services):
     spec, remap, procs = services
     env = remap.environment(spec["services"]["spark-a-worker"])
@@ -230,6 +232,7 @@ def test_the_wormhole_service_carries_a_dataset(services):
     assert report.path == "relay"  # no_listen on both sides: only the relay service joins them
 
 
+@pytest.mark.integration  # starts processes of its own
 def test_cluster_b_receives_a_dataset_through_the_wormhole_service(services, tmp_path):
     # A Spark application on standalone cluster B (its driver here, its
     # executor on B's worker, lanes in the executor's tasks) receives what this
@@ -353,6 +356,7 @@ def alive(pid: int) -> bool:
     return True
 
 
+@pytest.mark.integration  # starts processes of its own
 def test_the_jupyter_service_serves_the_tested_notebooks(tmp_path):
     """The jupyter service's command, run here: it serves the mounted notebooks
     (the ones tests/test_notebooks.py runs) and a kernel that has spark_dilation."""

@@ -251,6 +251,7 @@ def test_sender_host_works_under_a_tmpdir_longer_than_the_socket_limit(
 # --- spark-dilation cleanup ------------------------------------------------------------------
 
 
+@pytest.mark.integration  # starts processes of its own
 def test_cleanup_removes_stale_transfers_and_keeps_live_ones(tmp_path: Path) -> None:
     """A fabricated stale transfer (dead host, free lock) and a sender host dir go; a
     lane whose lock another process holds, a live host.pid and received files stay."""

@@ -26,6 +26,7 @@ def _run(code: str) -> subprocess.CompletedProcess[str]:
     )
 
 
+@pytest.mark.integration  # starts processes of its own
 def test_import_and_cli_help_do_not_import_pyspark():
     done = _run(
         """
@@ -51,6 +52,7 @@ def test_import_and_cli_help_do_not_import_pyspark():
     assert done.stdout.strip() == "[]"
 
 
+@pytest.mark.integration  # starts processes of its own
 def test_spark_features_without_pyspark_say_what_they_need():
     # sys.modules[name] = None makes "import pyspark" fail as if it were not installed.
     done = _run(
@@ -83,6 +85,7 @@ def test_an_old_pyspark_is_named():
         check_pyspark("3.5.1")
 
 
+@pytest.mark.integration  # starts processes of its own
 @pytest.mark.parametrize(
     ("missing", "args", "code", "needs"),
     [

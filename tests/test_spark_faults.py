@@ -40,7 +40,7 @@ import pytest
 from spark_dilation.spark.dataset import ABORT_PREFIX
 from spark_dilation.testing import TcpProxy, throttled_relay
 from spark_dilation.testing.datasets import incompressible_parts
-from spark_dilation.testing.leftovers import helper_processes
+from spark_dilation.testing.leftovers import helper_processes, own_temp
 from spark_dilation.testing.stepped_reader import SteppedReader
 from spark_dilation.testing.stepped_writer import SteppedWriter
 from spark_dilation.testing.waiting import wait_until
@@ -92,7 +92,7 @@ def writer(wormhole_servers: Any, tmp_path_factory: pytest.TempPathFactory) -> I
     root = tmp_path_factory.mktemp("faults-writer")
     (root / "tmp").mkdir()
     w = SteppedWriter(
-        _start({"TMPDIR": str(root / "tmp")}), root / "control", root / "writer.log",
+        _start(own_temp(root / "tmp")), root / "control", root / "writer.log",
         mailbox=wormhole_servers.mailbox_url, relay=wormhole_servers.relay_url,
         master="local[2,2]",
     )  # fmt: skip
@@ -165,7 +165,7 @@ def test_reading_application_killed_mid_transfer_round_after_round(
             code, ROWS, 4, shape="link", compression="none", relay=slow_relay,
             no_listen="true", reconnect_timeout="60", peer_timeout=PEER_WAIT,
         )  # fmt: skip
-        reader = _start({"TMPDIR": str(tmp)})(
+        reader = _start(own_temp(tmp))(
             [
                 sys.executable, "-m", "spark_dilation.testing.spark_peer", "receive",
                 "--code", code, "--mailbox", wormhole_servers.mailbox_url,
@@ -291,7 +291,7 @@ def test_a_cancelled_sender_ends_a_spark_reader_ahead_of_the_queued_data(
 
         threading.Thread(target=send, daemon=True).start()
         reader = SteppedReader(
-            _start({"TMPDIR": str(tmp_path)}), tmp_path / "control", tmp_path / "reader.log",
+            _start(own_temp(tmp_path)), tmp_path / "control", tmp_path / "reader.log",
             code=sender.code, mailbox=wormhole_servers.mailbox_url, relay=hint,
             master="local[2]", options=["no_listen=true", f"staging_dir={staging}"],
         )  # fmt: skip

@@ -56,6 +56,7 @@ def test_no_jvm_above_this_process_means_not_known_to_be_local() -> None:
     assert tasks_run_here() is False
 
 
+@pytest.mark.integration  # starts processes of its own
 def test_the_nearest_java_ancestor_is_read(tmp_path) -> None:
     """A process named java (a copy of the Python binary) with a Spark-like
     command line starts a child; the child finds the master through it."""

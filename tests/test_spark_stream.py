@@ -36,6 +36,7 @@ from typing import Any
 import pytest
 
 from spark_dilation.spark import faults
+from spark_dilation.testing.leftovers import own_temp
 from spark_dilation.transfer.machine import alive
 from spark_dilation.transfer.meet.record import load_record
 from spark_dilation.transfer.send.streamclient import stream_host_path
@@ -58,7 +59,9 @@ class App:
     def __init__(self, side: str, folder: Path, *args: str, fault: str = "") -> None:
         self.side, self.folder, self.args, self.fault = side, folder, args, fault
         self.log = folder / f"{side}.log"
-        env = {**os.environ, "PYSPARK_PYTHON": sys.executable}
+        # Killed with -9 (no clean-up): its temp files in the test's folder, not the run's.
+        (folder / "tmp").mkdir(exist_ok=True)
+        env = {**os.environ, **own_temp(folder / "tmp"), "PYSPARK_PYTHON": sys.executable}
         if fault:
             env[faults.FAULTS_ENV] = fault
         with self.log.open("a") as log, (folder / f"{side}.out").open("w") as out:
@@ -135,7 +138,7 @@ def stream_host_ends(pairing: Path, within: float = 10.0) -> None:
     """The sending side's stream host ends within seconds of its application (the last
     one a dying application launched included), and its folder in $TMPDIR goes with
     it: nothing is left running or in the temp folder."""
-    folder = stream_host_path(pairing)
+    folder = stream_host_path(pairing, str(pairing.parent / "tmp"))  # App's temp folder
     deadline = time.monotonic() + within
     while True:
         try:

@@ -203,6 +203,7 @@ def test_motd_shows_in_welcome(fresh_servers: ServerProcess) -> None:
     assert message["welcome"]["motd"] == "Tests are running"
 
 
+@pytest.mark.integration  # starts processes of its own
 def test_signal_error_shows_in_welcome() -> None:
     with running_servers(signal_error="closed for maintenance") as servers:
         message = read_welcome(servers.mailbox_url)
@@ -255,6 +256,7 @@ def test_servers_can_restart_on_the_same_ports(fresh_servers: ServerProcess) -> 
         assert accepts(again.relay_port)
 
 
+@pytest.mark.integration  # starts processes of its own
 def test_context_exit_stops_the_servers() -> None:
     with running_servers() as servers:
         pass
@@ -262,6 +264,7 @@ def test_context_exit_stops_the_servers() -> None:
     assert_refused(servers.mailbox_port)
 
 
+@pytest.mark.integration  # starts processes of its own
 def test_running_servers_reports_startup_failure_with_stderr() -> None:
     with busy_port() as blocker:
         port = blocker.getsockname()[1]
@@ -271,6 +274,7 @@ def test_running_servers_reports_startup_failure_with_stderr() -> None:
     assert "exited with code 2" in str(excinfo.value)
 
 
+@pytest.mark.integration  # starts processes of its own
 @pytest.mark.parametrize(
     ("which", "what"), [("--mailbox-port", "mailbox server"), ("--relay-port", "transit relay")]
 )
@@ -293,6 +297,7 @@ def test_busy_port_exits_2_with_one_line_error(which: str, what: str) -> None:
     assert "already in use" in lines[0]
 
 
+@pytest.mark.integration  # starts processes of its own
 def test_missing_server_extra_is_a_clear_error() -> None:
     script = (
         "import sys\n"
@@ -360,6 +365,7 @@ task.react(main)
 """
 
 
+@pytest.mark.integration  # starts processes of its own
 def test_start_servers_in_process_stop_closes_everything() -> None:
     result = subprocess.run(
         [sys.executable, "-c", EMBEDDED_SCRIPT], capture_output=True, text=True, timeout=60

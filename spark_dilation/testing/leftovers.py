@@ -165,6 +165,19 @@ def find(scope: Scope, mark: str, grace: float = PROCESS_GRACE) -> Leftovers:
     )
 
 
+def own_temp(folder: Path) -> dict[str, str]:
+    """The environment for a process a test may kill (``SIGKILL`` skips every clean-up):
+    its temp files (Python's, Spark's local folders, the JVM's) go to ``folder``, the
+    test's own (pytest keeps it), not the run's private temp folder this check reads."""
+    opts = os.environ.get("SPARK_SUBMIT_OPTS", "").split()
+    opts = [o for o in opts if not o.startswith("-Djava.io.tmpdir=")]
+    return {
+        "TMPDIR": str(folder),
+        "SPARK_LOCAL_DIRS": str(folder),
+        "SPARK_SUBMIT_OPTS": " ".join([*opts, f"-Djava.io.tmpdir={folder}"]),
+    }
+
+
 def kill(pids: dict[int, str]) -> None:
     for pid in pids:
         try:

@@ -41,10 +41,11 @@ HOST_START_WAIT = 60.0  # a host being started imports Twisted before it listens
 HOST_ERROR = "host-error.json"
 
 
-def stream_host_path(pairing_dir: Path) -> Path:
-    """This machine's folder for the stream host of ``pairing_dir`` (not made here)."""
+def stream_host_path(pairing_dir: Path, temp: str | None = None) -> Path:
+    """This machine's folder for the stream host of ``pairing_dir`` (not made here), in
+    ``temp`` (default: this process's temp folder, as the sink's and the host's)."""
     digest = hashlib.sha256(str(Path(pairing_dir).resolve()).encode()).hexdigest()[:16]
-    return Path(tempfile.gettempdir()) / "spark-dilation" / f"stream-{digest}"
+    return Path(temp or tempfile.gettempdir()) / "spark-dilation" / f"stream-{digest}"
 
 
 def stream_host_dir(pairing_dir: Path) -> Path:
