@@ -66,7 +66,7 @@ check: venv
 	$(PY) -m ruff check .
 	$(PY) -m pytest -n 2 -m "not integration" --durations=10
 
-# The oldest PySpark the [spark] extra allows, in its own venv: .[test] brings
+# The oldest PySpark the [spark] extra allows, in its own venv: .[test-tools] brings
 # the newest PySpark, so the constraint keeps pyspark at 4.0.x while pip
 # resolves everything else. The smoke run covers the schema conversions 4.0
 # does differently, a Spark->Spark transfer with exact content, a Python
@@ -97,7 +97,7 @@ $(OLDEST_STAMP): pyproject.toml $(CONSTRAINTS)
 	$(OLDEST_PY) -m pip install --quiet --upgrade pip
 	(cat $(CONSTRAINTS); echo 'pyspark==$(OLDEST_PYSPARK).*') > $(OLDEST_VENV)/constraints.txt
 	$(OLDEST_PY) -m pip install --quiet -c $(OLDEST_VENV)/constraints.txt 'pyspark[connect]==$(OLDEST_PYSPARK).*'
-	$(OLDEST_PY) -m pip install --quiet -c $(OLDEST_VENV)/constraints.txt -e '.[test]'
+	$(OLDEST_PY) -m pip install --quiet -c $(OLDEST_VENV)/constraints.txt -e '.[test-tools]'
 	rm -f $(OLDEST_VENV)/.installed-*
 	touch $@
 
@@ -105,7 +105,9 @@ test-oldest: venv-oldest check-java
 	@$(OLDEST_PY) -m compileall -q spark_dilation pyspark_dilation.py
 	@$(OLDEST_PY) -m spark_dilation.testing.worker_bytecode 2>/dev/null
 	@$(OLDEST_PY) -c 'import pyspark; print("PySpark", pyspark.__version__, "in", "$(OLDEST_VENV)")'
-	SPARK_DILATION_EXPECT_PYSPARK=$(OLDEST_PYSPARK) $(OLDEST_PY) -m pytest $(OLDEST_TESTS)
+	@$(OLDEST_PY) -m spark_dilation.testing.jvm_archive $(JVM_ARCHIVE_DIR)-oldest >/dev/null
+	SPARK_DILATION_EXPECT_PYSPARK=$(OLDEST_PYSPARK) SPARK_DILATION_JVM_ARCHIVE=$(JVM_ARCHIVE_DIR)-oldest \
+		$(OLDEST_PY) -m pytest -n 2 --dist loadgroup $(OLDEST_TESTS)
 
 demo: venv bytecode check-java
 	$(VENV)/bin/spark-dilation demo
