@@ -18,6 +18,7 @@ pytest_plugins = [
     "spark_dilation.testing.leftovers",
     "spark_dilation.testing.live_failures",
     "spark_dilation.testing.cputime",
+    "spark_dilation.testing.xdist_groups",
 ]
 
 # With no relay given, a transfer also dials the public transit relay (the
@@ -89,40 +90,6 @@ def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item
         module = item.module.__name__.rsplit(".", 1)[-1] if item.module else ""
         if module in INTEGRATION_MODULES or INTEGRATION_FIXTURES & set(item.fixturenames):
             item.add_marker(pytest.mark.integration)
-    if getattr(config.option, "loadgroup", False):
-        _name_xdist_groups(items)
-
-
-def _name_xdist_groups(items: list[pytest.Item]) -> None:
-    """``--dist loadgroup`` on pytest 9.2: pytest-xdist (3.8) names a test's group by
-    rewriting ``item._nodeid``, which pytest 9.2 no longer reads (``nodeid`` is
-    ``str(item._id)``), so every group was silently spread over the workers (two
-    sets of namespace clusters at once, two Connect servers on one port). Until
-    xdist follows, the worker appends ``@group`` here; a fixed xdist has done it."""
-    for item in items:
-        mark = item.get_closest_marker("xdist_group")
-        if mark is None or "@" in item.nodeid.rsplit("::", 1)[-1]:
-            continue
-        item._id = type(item._id).parse(f"{item.nodeid}@{mark.args[0]}")  # type: ignore[attr-defined]
-
-
-def pytest_collection_finish(session: pytest.Session) -> None:
-    """Under ``--dist loadgroup``, every grouped test must end with its ``@group``: that
-    suffix is all xdist schedules by. A pytest or xdist that changed how a node id is
-    made (the pins in conf/test-constraints.txt) fails here, not as two groups at once."""
-    if not getattr(session.config.option, "loadgroup", False):
-        return
-    lost = [
-        item.nodeid
-        for item in session.items
-        if (mark := item.get_closest_marker("xdist_group")) is not None
-        and not item.nodeid.endswith(f"@{mark.args[0]}")
-    ]
-    if lost:
-        raise pytest.UsageError(
-            f"{len(lost)} grouped test(s) lost their xdist group (tests/conftest.py, "
-            f"_name_xdist_groups), first {lost[0]}: see conf/test-constraints.txt"
-        )
 
 
 @pytest.fixture(scope="session")

@@ -7,7 +7,8 @@ naming each, and kill the process. Another job's files in /tmp and its
 namespaces, made while the run goes, do not fail it; nor does a clean inner
 run's temp file that it removes.
 The live failure line (spark_dilation.testing.live_failures) comes before the
-summary, with and without xdist.
+summary, with and without xdist. Under --dist loadgroup a group stays on one worker
+(spark_dilation.testing.xdist_groups), and a test that lost its group fails saying so.
 """
 
 from __future__ import annotations
@@ -133,3 +134,51 @@ def test_a_failure_is_printed_when_it_happens(tmp_path: Path, workers: list[str]
     live = [line for line in out.splitlines() if line.startswith("FAILED test_inner.py::")]
     assert live and "test_fails_first (" in live[0] and "arithmetic" in live[0], out
     assert out.index(live[0]) < out.index("short test summary"), out
+
+
+GROUPED = """\
+import os
+from pathlib import Path
+import pytest
+
+@pytest.mark.xdist_group("g")
+@pytest.mark.parametrize("n", range(4))
+def test_grouped(n):
+    with (Path(__file__).parent / "workers.txt").open("a") as f:
+        f.write(os.environ["PYTEST_XDIST_WORKER"] + "\\n")
+
+def test_free():
+    pass
+"""
+
+# A pytest whose node ids no longer carry our suffix: reset after the plugin named it.
+UNNAMED = """\
+import pytest
+
+@pytest.hookimpl(trylast=True)
+def pytest_collection_modifyitems(items):
+    for item in items:
+        if "@" in item.nodeid:
+            item._id = type(item._id).parse(item.nodeid.rsplit("@", 1)[0])
+"""
+
+
+def test_a_group_stays_on_one_worker_and_a_lost_group_fails_its_tests(tmp_path: Path) -> None:
+    args = ("-n", "2", "--dist", "loadgroup")
+    run = _inner_run(tmp_path, GROUPED, *args, plugin="spark_dilation.testing.xdist_groups")
+    out = run.stdout + run.stderr
+    assert run.returncode == 0 and "5 passed" in out, out
+    workers = (tmp_path / "inner" / "workers.txt").read_text().split()
+    assert len(workers) == 4 and len(set(workers)) == 1, workers  # the group on one worker
+    (tmp_path / "inner" / "conftest.py").write_text(UNNAMED)
+    (tmp_path / "inner" / "test_inner.py").rename(tmp_path / "inner" / "test_grouped.py")
+    broken = subprocess.run(
+        [sys.executable, "-m", "pytest", "-p", "spark_dilation.testing.xdist_groups",
+         "-p", "no:cacheprovider", "-q", f"--basetemp={tmp_path / 'base2'}", *args,
+         str(tmp_path / "inner" / "test_grouped.py")],
+        cwd=tmp_path / "inner", capture_output=True, text=True, timeout=120,
+        env={k: v for k, v in os.environ.items() if k not in ("PYTEST_ADDOPTS", RUN_MARK)},
+    )  # fmt: skip
+    out = broken.stdout + broken.stderr
+    assert broken.returncode == 1 and "1 passed, 4 errors" in out, out  # failed at setup
+    assert "4 grouped test(s) lost their xdist group, this one too" in out, out
