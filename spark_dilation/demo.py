@@ -17,6 +17,7 @@ crochet thread.
 from __future__ import annotations
 
 import json
+import shutil
 import sys
 import tempfile
 import time
@@ -186,15 +187,8 @@ def _result(peer: PeerProcess, timeout: float) -> dict[str, Any]:
     return result
 
 
-def _spark_to_spark(out: TextIO, servers: Any, rows: int) -> None:
-    code = "5-demo-spark-to-spark"
-    logs = Path(tempfile.mkdtemp(prefix="spark-dilation-demo-logs-"))
-    print(
-        f"[3/3] Spark -> Spark: {rows:,} rows of 12 column types with code {code}\n"
-        f"      two Spark applications, local[2] each (Spark logs: {logs})",
-        file=out,
-    )
-    out.flush()
+def _spark_pair(code: str, servers: Any, logs: Path, rows: int) -> tuple[dict, dict]:
+    """Both applications' run, checked: the sender's report and its result."""
     with tempfile.TemporaryDirectory(prefix="spark-dilation-demo-") as tmp:
         staging = f"staging_dir={Path(tmp) / 'staging'}"
         receiver = _peer("receive", code, servers, logs, "--no-show", "--option", staging)
@@ -220,6 +214,24 @@ def _spark_to_spark(out: TextIO, servers: Any, rows: int) -> None:
         problems.append(f"the sender reported {report['rows']:,} rows")
     if problems:
         raise DilationError("demo failed: " + "; ".join(problems))
+    return report, sent
+
+
+def _spark_to_spark(out: TextIO, servers: Any, rows: int) -> None:
+    code = "5-demo-spark-to-spark"
+    logs = Path(tempfile.mkdtemp(prefix="spark-dilation-demo-logs-"))
+    print(
+        f"[3/3] Spark -> Spark: {rows:,} rows of 12 column types with code {code}\n"
+        f"      two Spark applications, local[2] each (Spark logs: {logs}, kept if it fails)",
+        file=out,
+    )
+    out.flush()
+    try:
+        report, sent = _spark_pair(code, servers, logs, rows)
+    except BaseException:
+        print(f"      Spark logs kept in {logs}", file=out)
+        raise
+    shutil.rmtree(logs, ignore_errors=True)  # it worked: nothing of the demo is left
     rate = report["rows"] / report["seconds"] if report["seconds"] > 0 else 0.0
     print(
         f"      rows {report['rows']:,} | bytes {report['bytes']:,} "

@@ -60,6 +60,7 @@ class Restartable:
     def kill(self) -> None:
         if self.proc is not None:
             self.proc.kill()
+            self.proc.stderr_path.unlink(missing_ok=True)  # ours: start_server_process made it
             self.proc = None
 
     async def restart_after(self, outage: float) -> None:

@@ -103,12 +103,14 @@ def receive_args(common: list[str], folder: Path, rows: int, *more: str) -> list
     ]
 
 
-def send_args(common: list[str], folder: Path, source: Path) -> list[str]:
-    """A sending application's arguments: it streams the files in ``source``."""
+def send_args(common: list[str], folder: Path, rows: int, files: int) -> list[str]:
+    """A sending application's arguments: it streams ``rows`` rows in ``files`` Parquet
+    files, which its first run generates in ``folder / "src"`` (in its own session: no
+    application of its own for the input) and reports as ``expected``."""
     return [
         *common,
-        *("--source", str(source), "--checkpoint", str(folder / "s-ck")),
-        *("--pairing", str(folder / "s-pairing")),
+        *("--source", str(folder / "src"), "--rows", str(rows), "--files", str(files)),
+        *("--checkpoint", str(folder / "s-ck"), "--pairing", str(folder / "s-pairing")),
     ]
 
 
@@ -168,14 +170,10 @@ def test_stream_survives_kills_at_each_batch_phase_exactly_once(
 ) -> None:
     code = "41-stream-restarts"
     common = ["--code", code, "--mailbox", mailbox_url, "--relay", relay_url]
-    src = tmp_path / "src"
-    gen = App("generate", tmp_path, "--rows", str(ROWS), "--files", str(FILES), "--out", str(src))
-    expected = gen.result(300)
-    assert expected.get("rows") == ROWS, expected
 
     r_pairing, s_pairing = tmp_path / "r-pairing", tmp_path / "s-pairing"
     receive = receive_args(common, tmp_path, ROWS, "--max-rows", str(MAX_ROWS))
-    send = send_args(common, tmp_path, src)
+    send = send_args(common, tmp_path, ROWS, FILES)
     # Offsets count staged micro-batches; the sink's points count Spark's batch ids.
     receiver_faults = fault(tmp_path, (faults.SOURCE_PLANNED, 3), (faults.SOURCE_COMMIT, 9))
     sender_faults = fault(tmp_path, (faults.SINK_STAGED, 14))
@@ -194,7 +192,7 @@ def test_stream_survives_kills_at_each_batch_phase_exactly_once(
     assert "error" not in sent, sent
     assert "error" not in got, got
     assert got["rows"] == ROWS and got["distinct_ids"] == ROWS, got
-    assert got["digest"] == expected["digest"]
+    assert sent["expected"]["rows"] == ROWS and got["digest"] == sent["expected"]["digest"]
     if admission_control():
         assert 0 < got["largest_batch"] <= MAX_ROWS, got  # whole batches, under the limit
     # Restarts met with no code: each side's runs counted on its record.
@@ -249,16 +247,13 @@ def test_a_small_stream_arrives_exactly(mailbox_url: str, relay_url: str, tmp_pa
     """The sink and the source on whatever PySpark runs (`make test-oldest`: 4.0, where
     the sink's tasks get Rows and Spark gives the source no read limit)."""
     common = ["--code", "42-stream-small", "--mailbox", mailbox_url, "--relay", relay_url]
-    src = tmp_path / "src"
-    expected = App("generate", tmp_path, "--rows", "6000", "--files", "3", "--out", str(src))
-    expected = expected.result(300)
     receiver = App("receive", tmp_path, *receive_args(common, tmp_path, 6000))
-    sent = App("send", tmp_path, *send_args(common, tmp_path, src)).result(300)
+    sent = App("send", tmp_path, *send_args(common, tmp_path, 6000, 3)).result(300)
     got = receiver.result(300)
     assert "error" not in sent and "error" not in got, (sent, got)
     assert sent["batches"] == 3
     assert got["rows"] == got["distinct_ids"] == 6000
-    assert got["digest"] == expected["digest"]
+    assert got["digest"] == sent["expected"]["digest"]
 
 
 @pytest.mark.timeout(600)
@@ -270,9 +265,6 @@ def test_available_now_reads_what_is_staged_then_ends(
     whose progress shows the lag) and stops; one with Trigger.AvailableNow reads the
     rest and ends by itself."""
     common = ["--code", "43-stream-now", "--mailbox", mailbox_url, "--relay", relay_url]
-    src = tmp_path / "src"
-    expected = App("generate", tmp_path, "--rows", "6000", "--files", "3", "--out", str(src))
-    expected = expected.result(300)
     receive = receive_args(common, tmp_path, 6000)
     slow = App(
         "receive",
@@ -280,7 +272,7 @@ def test_available_now_reads_what_is_staged_then_ends(
         *receive,
         *("--max-rows", "1", "--stop-when-staged", "3", "--trigger-seconds", "30"),
     )
-    sent = App("send", tmp_path, *send_args(common, tmp_path, src)).result(300)
+    sent = App("send", tmp_path, *send_args(common, tmp_path, 6000, 3)).result(300)
     behind = slow.result(300)
     assert "error" not in sent and "error" not in behind, (sent, behind)
     assert behind["rows"] < 6000, behind  # one batch a trigger: it fell behind
@@ -288,7 +280,7 @@ def test_available_now_reads_what_is_staged_then_ends(
     now = App("receive", tmp_path, *receive, "--available-now").result(300)
     assert "error" not in now, now
     assert now["rows"] == now["distinct_ids"] == 6000
-    assert now["digest"] == expected["digest"]
+    assert now["digest"] == sent["expected"]["digest"]
 
 
 @pytest.mark.timeout(600)

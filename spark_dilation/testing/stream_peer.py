@@ -4,7 +4,7 @@
 
     python -m spark_dilation.testing.stream_peer generate --rows N --files K --out SRC
     python -m spark_dilation.testing.stream_peer send --code C --mailbox URL --source SRC \\
-        --checkpoint CK --pairing DIR [--relay URL]
+        --checkpoint CK --pairing DIR [--relay URL] [--rows N --files K]
     python -m spark_dilation.testing.stream_peer receive --code C --mailbox URL --out OUT \\
         --checkpoint CK --pairing DIR --rows N [--relay URL]
     python -m spark_dilation.testing.stream_peer send-changed --source SRC --checkpoint CK \\
@@ -16,7 +16,9 @@
 
 ``generate`` writes N rows of every common Spark type (event time, nested
 columns; :data:`~.spark_peer.RICH_COLUMNS`) as K Parquet files. ``send``
-streams them, a file per micro-batch, into ``writeStream.format("dilation")``
+(with ``--rows``, after it generated SRC in its own session unless SRC exists:
+no application of its own for the input) streams them, a file per micro-batch,
+into ``writeStream.format("dilation")``
 with Trigger.AvailableNow, and ends when every file is sent (staged on the
 receiving side). ``receive`` streams ``readStream.format("dilation")`` into
 Parquet files (Spark's file sink, exactly once by its own log) until OUT holds
@@ -150,11 +152,30 @@ def send_files(
     return query
 
 
+def _source(spark: Any, a: argparse.Namespace) -> dict[str, Any]:
+    """With ``--rows``: SRC generated unless a run before made it (whole: written beside,
+    then renamed); what ``generate`` reports of it. Else nothing."""
+    if not a.rows:
+        return {}
+    made = f"{a.source}.json"
+    if not os.path.exists(made):
+        partial = f"{a.source}.partial"
+        expected = generate(spark, argparse.Namespace(rows=a.rows, files=a.files, out=partial))
+        os.rename(partial, a.source)
+        with open(f"{made}.partial", "w") as f:
+            json.dump(expected, f)
+        os.rename(f"{made}.partial", made)
+    with open(made) as f:
+        return {"expected": json.load(f)}
+
+
 def send(spark: Any, a: argparse.Namespace) -> dict[str, Any]:
+    source = _source(spark, a)
     query = send_files(spark, a.source, _options(a), a.checkpoint, max_files=1, timeout=a.timeout)
     return {
         "side": "send",
         "batches": int(query.lastProgress["batchId"]) + 1 if query.lastProgress else 0,
+        **source,
     }
 
 
