@@ -7,7 +7,11 @@ module): the CPU the test process and its process tree used from the test's
 setup to its teardown. The tree is this process (``RUSAGE_SELF``), the children
 it reaped (``RUSAGE_CHILDREN``) and its live descendants (``/proc``, with what
 they reaped): a Spark JVM, a server or a helper started by the test counts; a
-session fixture's start-up counts to the first test that asks for it.
+session fixture's start-up counts to the first test that asks for it. It counts
+low where a descendant outlives its parent: a Spark application run as a child
+Python process whose JVM exits after it is re-parented to init, and its CPU
+since the last look leaves the tree (cgroups would see it; they are not used
+here).
 """
 
 from __future__ import annotations
