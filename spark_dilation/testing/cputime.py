@@ -9,9 +9,9 @@ it reaped (``RUSAGE_CHILDREN``) and its live descendants (``/proc``, with what
 they reaped): a Spark JVM, a server or a helper started by the test counts; a
 session fixture's start-up counts to the first test that asks for it. It counts
 low where a descendant outlives its parent: a Spark application run as a child
-Python process whose JVM exits after it is re-parented to init, and its CPU
-since the last look leaves the tree (cgroups would see it; they are not used
-here).
+Python process whose JVM is still exiting when that Python exits is re-parented
+to init, and the JVM's CPU leaves the tree (cgroups would keep it; they are not
+used here).
 """
 
 from __future__ import annotations
