@@ -25,7 +25,17 @@ pytest_plugins = [
 # default). Tests run offline: those that want a relay pass their own
 # (the relay_url fixture); the rest, and every process they start (CLI, Spark
 # workers), get none. tests/test_cli_habits.py unsets it to test the default.
-os.environ.setdefault("SPARK_DILATION_RELAY", "none")
+os.environ["SPARK_DILATION_RELAY"] = "none"
+# A developer's own settings (a default mailbox, a streams home, a default file
+# system, fault points) do not reach the tests: each test sets what it needs.
+for _setting in (
+    "SPARK_DILATION_MAILBOX",
+    "SPARK_DILATION_HOME",
+    "SPARK_DILATION_DEFAULT_FS",
+    "SPARK_DILATION_FAULTS",
+    "SPARK_DILATION_FAULT_GROUP",
+):
+    os.environ.pop(_setting, None)
 
 # Every JVM of the run (Spark drivers, executors, Connect servers) is short-lived
 # and small: jvm_archive.BASE cuts its start-up CPU, and the class-data archive
