@@ -71,7 +71,7 @@ check: venv
 # resolves everything else. The smoke run covers the schema conversions 4.0
 # does differently, a Spark->Spark transfer with exact content, a Python
 # source into Spark, one Spark Connect transfer, and streams: killed at each
-# batch phase (4.0 plans (L, L) on restart) and the guide's examples (about 8 minutes);
+# batch phase (4.0 plans (L, L) on restart) and the guide's examples (about 4 minutes);
 # SPARK_DILATION_EXPECT_PYSPARK makes tests/test_pyspark_version.py fail if the
 # run did not use that PySpark (Spark's workers run this venv's Python too).
 OLDEST_PYSPARK = 4.0
