@@ -92,6 +92,13 @@ def streams_home() -> Path:
     return Path(home) / "streams"
 
 
+def named_state_dir(options: Mapping[str, str]) -> str | None:
+    """The folder the options name for this side's state (``state_dir``, or its older
+    name ``pairing_dir``; keys in any case), or None."""
+    opts = {k.lower(): v for k, v in options.items()}
+    return opts.get("state_dir") or opts.get("pairing_dir") or None
+
+
 def pairing_dir(options: Mapping[str, str], role: str) -> Path:
     """Where this side keeps its pairing record (and, receiving, its stage).
 
@@ -104,7 +111,7 @@ def pairing_dir(options: Mapping[str, str], role: str) -> Path:
     while the checkpoint does.
     """
     opts = {k.lower(): v for k, v in options.items()}
-    named = opts.get("state_dir") or opts.get("pairing_dir")
+    named = named_state_dir(opts)
     if named:
         return Path(named).expanduser()
     checkpoint = opts.get("checkpointlocation", "")
@@ -141,8 +148,7 @@ def driver_state_warning(master: str) -> str:
 def warn_driver_state(options: Mapping[str, str]) -> str | None:
     """A receiving stream with no ``state_dir`` on a cluster: log :func:`driver_state_warning`
     (a driver's Python worker reaches the user only through the driver's log). The line, or None."""
-    opts = {k.lower(): v for k, v in options.items()}
-    if opts.get("state_dir") or opts.get("pairing_dir"):
+    if named_state_dir(options):
         return None
     master = cluster_master()
     if master is None:

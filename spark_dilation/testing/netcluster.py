@@ -1049,8 +1049,7 @@ def start_net_clusters(
     with _registry_lock():
         slot = _choose_slot()
         while True:
-            run = _run_prefix()
-            prefix = run + secrets.token_hex((6 - len(run) + 1) // 2)[: 6 - len(run)]
+            prefix = (_run_prefix() + secrets.token_hex(3))[:6]
             if not (RUN_PARENT / f"{RUN_DIR_PREFIX}{prefix[2:]}").exists() and not any(
                 n.startswith(prefix + "-") for n in _netns_list() + _links()
             ):
