@@ -63,18 +63,27 @@ def _alive(pid: int) -> bool:
 
 
 def _inner_run(
-    tmp_path: Path, source: str, *args: str, plugin: str = "spark_dilation.testing.leftovers"
+    tmp_path: Path,
+    source: str,
+    *args: str,
+    plugin: str = "spark_dilation.testing.leftovers",
+    folder: str = "inner",
+    conftest: str | None = None,
 ) -> subprocess.CompletedProcess[str]:
-    (tmp_path / "inner").mkdir()
-    test = tmp_path / "inner" / "test_inner.py"
+    """``source`` as ``tmp_path/folder/test_inner.py`` (beside ``conftest`` if given), run
+    by a pytest of its own with ``plugin``; its base temp is ``tmp_path/folder-base``."""
+    (tmp_path / folder).mkdir()
+    test = tmp_path / folder / "test_inner.py"
     test.write_text(source)
+    if conftest is not None:
+        (tmp_path / folder / "conftest.py").write_text(conftest)
     env = {k: v for k, v in os.environ.items() if k not in ("PYTEST_ADDOPTS", RUN_MARK)}
     # The inner run's own prefix: "sq" is never a suite run's ("sd"), so neither sees the other's.
     env[RUN_PREFIX_ENV] = "sq" + uuid.uuid4().hex[:3]
     return subprocess.run(
         [sys.executable, "-m", "pytest", "-p", plugin, "-p", "no:cacheprovider", "-q",
-         f"--basetemp={tmp_path / 'base'}", *args, str(test)],
-        cwd=tmp_path / "inner", env=env, capture_output=True, text=True, timeout=120,
+         f"--basetemp={tmp_path / f'{folder}-base'}", *args, str(test)],
+        cwd=tmp_path / folder, env=env, capture_output=True, text=True, timeout=120,
     )  # fmt: skip
 
 
@@ -89,7 +98,7 @@ def test_a_planted_file_process_and_namespace_fail_the_run(tmp_path: Path) -> No
     try:
         assert run.returncode == 1, out
         assert "1 passed" in out, out  # the test passed: the check failed the run
-        assert planted.startswith(str(tmp_path / "base" / "tmp")), planted
+        assert planted.startswith(str(tmp_path / "inner-base" / "tmp")), planted
         assert f"left behind: file {planted}" in out, out
         assert ns.startswith("sq") and ns.endswith("-plant"), out
         assert f"left behind: mount /run/netns/{ns}" in out, out
@@ -170,14 +179,9 @@ def test_a_group_stays_on_one_worker_and_a_lost_group_fails_its_tests(tmp_path: 
     assert run.returncode == 0 and "5 passed" in out, out
     workers = (tmp_path / "inner" / "workers.txt").read_text().split()
     assert len(workers) == 4 and len(set(workers)) == 1, workers  # the group on one worker
-    (tmp_path / "inner" / "conftest.py").write_text(UNNAMED)
-    (tmp_path / "inner" / "test_inner.py").rename(tmp_path / "inner" / "test_grouped.py")
-    broken = subprocess.run(
-        [sys.executable, "-m", "pytest", "-p", "spark_dilation.testing.xdist_groups",
-         "-p", "no:cacheprovider", "-q", f"--basetemp={tmp_path / 'base2'}", *args,
-         str(tmp_path / "inner" / "test_grouped.py")],
-        cwd=tmp_path / "inner", capture_output=True, text=True, timeout=120,
-        env={k: v for k, v in os.environ.items() if k not in ("PYTEST_ADDOPTS", RUN_MARK)},
+    broken = _inner_run(
+        tmp_path, GROUPED, *args, plugin="spark_dilation.testing.xdist_groups",
+        folder="broken", conftest=UNNAMED,
     )  # fmt: skip
     out = broken.stdout + broken.stderr
     assert broken.returncode == 1 and "1 passed, 4 errors" in out, out  # failed at setup
