@@ -8,7 +8,7 @@ PY      = $(VENV)/bin/python
 CONSTRAINTS = conf/test-constraints.txt
 STAMP   = $(VENV)/.installed-$(shell cat pyproject.toml $(CONSTRAINTS) | cksum | cut -d' ' -f1)
 
-.PHONY: jvm-archive test check test-oldest venv-oldest demo lint format check-java venv bytecode clean
+.PHONY: jvm-archive test test-multimachine check test-oldest venv-oldest demo lint format check-java venv bytecode clean
 
 venv: $(STAMP)
 
@@ -46,19 +46,39 @@ TEST_WORKERS ?= 3
 # (jvm-archive, below): each test JVM's start-up then takes about half the CPU.
 JVM_ARCHIVE_DIR ?= build/jvm
 
-# Built before the suite, not beside its first tests: a clean checkout's first
-# minute of Spark JVMs then starts on the archive, with no build competing.
+# Built before the Spark tests, not beside their first minute (whose JVMs then
+# start on the archive, with no build competing); make test runs the pure tests
+# meanwhile.
 jvm-archive: venv
 	@$(PY) -m spark_dilation.testing.jvm_archive $(JVM_ARCHIVE_DIR) >/dev/null
 
-# First the tests marked "alone", with the machine to themselves: the stream
-# notebook plays two clusters in one local[2] JVM, and Spark gives each fresh
-# Python worker a fixed 10 s to connect back, which the suite's load can take.
-test: venv bytecode check-java jvm-archive
+# make test runs in steps by the resource each needs, each with its own JUnit report:
+# 1. ruff, then the pure tests (no Spark, no server processes: make check's) on
+#    2 workers while the JVM archive builds beside them;
+# 2. the tests marked "alone", with the machine to themselves: the stream notebook
+#    plays two clusters in one local[2] JVM, and Spark gives each fresh Python
+#    worker a fixed 10 s to connect back, which the suite's load can take;
+# 3. the rest of the suite (Spark, servers, CLIs, the reference peer) on
+#    TEST_WORKERS workers;
+# 4. make test-multimachine: the namespace clusters and the compose files, one
+#    test at a time, so their liveness bounds meet no other load.
+PYTEST_STEP = SPARK_DILATION_JVM_ARCHIVE=$(JVM_ARCHIVE_DIR) $(PY) -m pytest
+test: venv bytecode check-java
 	$(PY) -m ruff check .
 	$(PY) -m ruff format --check .
-	SPARK_DILATION_JVM_ARCHIVE=$(JVM_ARCHIVE_DIR) $(PY) -m pytest -m alone --junitxml=build/junit-alone.xml
-	SPARK_DILATION_JVM_ARCHIVE=$(JVM_ARCHIVE_DIR) $(PY) -m pytest -n $(TEST_WORKERS) --dist loadgroup -m "not alone"
+	@mkdir -p build
+	@$(PY) -m spark_dilation.testing.jvm_archive $(JVM_ARCHIVE_DIR) >build/jvm-archive.log 2>&1 & \
+	  archive=$$!; \
+	  $(PY) -m pytest -n 2 -m "not integration" --junitxml=build/junit-pure.xml; pure=$$?; \
+	  wait $$archive || { echo "the JVM archive build failed: build/jvm-archive.log"; tail -20 build/jvm-archive.log; exit 1; }; \
+	  exit $$pure
+	$(PYTEST_STEP) -m alone --junitxml=build/junit-alone.xml
+	$(PYTEST_STEP) -n $(TEST_WORKERS) --dist loadgroup -m "integration and not alone and not multimachine" \
+		--junitxml=build/junit.xml
+	$(MAKE) --no-print-directory test-multimachine
+
+test-multimachine: venv bytecode check-java jvm-archive
+	$(PYTEST_STEP) -m multimachine --junitxml=build/junit-multimachine.xml
 
 # The inner loop: lint and the tests that need no Spark, no server processes and
 # no processes of their own (about a minute).

@@ -176,6 +176,7 @@ def test_the_compose_file_has_the_services_the_readme_describes():
 
 
 @pytest.mark.integration  # starts processes of its own
+@pytest.mark.multimachine  # make test-multimachine: alone
 def test_each_worker_registers_with_its_own_master(services):
     spec, remap, procs = services
 
@@ -207,6 +208,7 @@ def test_each_worker_registers_with_its_own_master(services):
 
 
 @pytest.mark.integration  # starts processes of its own
+@pytest.mark.multimachine  # make test-multimachine: alone
 def test_the_wormhole_service_carries_a_dataset(services):
     spec, remap, procs = services
     env = remap.environment(spec["services"]["spark-a-worker"])
@@ -233,6 +235,7 @@ def test_the_wormhole_service_carries_a_dataset(services):
 
 
 @pytest.mark.integration  # starts processes of its own
+@pytest.mark.multimachine  # make test-multimachine: alone
 def test_cluster_b_receives_a_dataset_through_the_wormhole_service(services, tmp_path):
     # A Spark application on standalone cluster B (its driver here, its
     # executor on B's worker, lanes in the executor's tasks) receives what this
@@ -357,6 +360,7 @@ def alive(pid: int) -> bool:
 
 
 @pytest.mark.integration  # starts processes of its own
+@pytest.mark.multimachine  # make test-multimachine: alone
 def test_the_jupyter_service_serves_the_tested_notebooks(tmp_path):
     """The jupyter service's command, run here: it serves the mounted notebooks
     (the ones tests/test_notebooks.py runs) and a kernel that has spark_dilation."""

@@ -29,7 +29,11 @@ ROWS = 200_000
 # Two Spark applications per test on a 2-core machine: more than the suite's default.
 # One xdist worker runs every test on the shared namespace clusters (one set of
 # clusters per run; their tests go first, being the longest unit).
-pytestmark = [pytest.mark.timeout(900), pytest.mark.xdist_group("net_clusters")]
+pytestmark = [
+    pytest.mark.timeout(900),
+    pytest.mark.xdist_group("net_clusters"),
+    pytest.mark.multimachine,
+]
 PY = sys.executable
 
 

@@ -27,7 +27,7 @@ from spark_dilation.testing.waiting import wait_until
 
 # On the worker that runs the shared clusters' tests, after them: two sets of
 # namespace clusters at once would double the JVMs on the machine.
-pytestmark = pytest.mark.xdist_group("net_clusters")
+pytestmark = [pytest.mark.xdist_group("net_clusters"), pytest.mark.multimachine]
 
 DRIVER = """\
 import json, sys

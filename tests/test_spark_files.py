@@ -859,3 +859,26 @@ def test_spark_loads_a_spark_output_directory_sent_with_the_reference_cli(
     assert sender.returncode == 0
     assert got == [(i, i % 7) for i in range(500)]
     assert df.filter("bucket = 3").count() == len([i for i in range(500) if i % 7 == 3])
+
+
+def test_the_session_jvm_starts_on_the_class_data_archive(spark) -> None:
+    """Under make test (SPARK_DILATION_JVM_ARCHIVE) the session's JVM maps the archive:
+    anything that changes the JVMs' class path (a conf folder, a jar) silently turns it
+    off and doubles every JVM's start-up CPU. Without it, no JVM is pointed at one."""
+    import os
+
+    from pyspark import SparkContext
+
+    from spark_dilation.testing import jvm_archive
+
+    gateway = SparkContext._gateway
+    assert gateway is not None and gateway.proc is not None
+    maps = Path(f"/proc/{gateway.proc.pid}/maps").read_text()
+    folder = os.environ.get(jvm_archive.ENV)
+    if folder:
+        archive = jvm_archive.archive_path(Path(folder))
+        assert archive.exists(), f"make test builds {archive} before the Spark tests"
+        assert str(archive) in maps, f"the session's JVM does not use {archive}"
+    else:
+        assert "SharedArchiveFile" not in os.environ.get("JAVA_TOOL_OPTIONS", "")
+        assert ".jsa" not in maps.replace("/classes.jsa", ""), "an archive other than the JDK's"

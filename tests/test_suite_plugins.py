@@ -6,6 +6,8 @@ run's prefix (whose mount under /run/netns comes with it); the run must fail
 naming each, and kill the process. Another job's files in /tmp and its
 namespaces, made while the run goes, do not fail it; nor does a clean inner
 run's temp file that it removes.
+The cost of each test (spark_dilation.testing.cputime) counts the CPU of a
+process that outlived its parent and the Spark JVMs a test launched.
 The live failure line (spark_dilation.testing.live_failures) comes before the
 summary, with and without xdist. Under --dist loadgroup a group stays on one worker
 (spark_dilation.testing.xdist_groups), and a test that lost its group fails saying so.
@@ -17,10 +19,12 @@ import os
 import subprocess
 import sys
 import uuid
+import xml.etree.ElementTree as ET
 from pathlib import Path
 
 import pytest
 
+from spark_dilation.testing.cputime import open_meter
 from spark_dilation.testing.leftovers import RUN_MARK, RUN_PREFIX_ENV, SYSTEM_TMP
 from spark_dilation.testing.waiting import wait_until
 
@@ -77,7 +81,8 @@ def _inner_run(
     test.write_text(source)
     if conftest is not None:
         (tmp_path / folder / "conftest.py").write_text(conftest)
-    env = {k: v for k, v in os.environ.items() if k not in ("PYTEST_ADDOPTS", RUN_MARK)}
+    own = ("PYTEST_ADDOPTS", RUN_MARK, "PYTEST_XDIST_WORKER")  # a run of its own
+    env = {k: v for k, v in os.environ.items() if k not in own}
     # The inner run's own prefix: "sq" is never a suite run's ("sd"), so neither sees the other's.
     env[RUN_PREFIX_ENV] = "sq" + uuid.uuid4().hex[:3]
     return subprocess.run(
@@ -186,3 +191,58 @@ def test_a_group_stays_on_one_worker_and_a_lost_group_fails_its_tests(tmp_path: 
     out = broken.stdout + broken.stderr
     assert broken.returncode == 1 and "1 passed, 4 errors" in out, out  # failed at setup
     assert "4 grouped test(s) lost their xdist group, this one too" in out, out
+
+
+COSTLY = """\
+import os, subprocess, sys, time
+from pathlib import Path
+
+# The child forks a grandchild and exits at once: init inherits the grandchild.
+ORPHAN = '''
+import os, time
+if os.fork() == 0:
+    while time.process_time() < 1.5:
+        pass
+    open("burned", "w").close()
+'''
+
+def test_orphan_burns():
+    done = Path("burned")
+    script = ORPHAN
+    subprocess.run([sys.executable, "-c", script], check=True)
+    deadline = time.monotonic() + 60
+    while not done.exists():
+        assert time.monotonic() < deadline, "the grandchild never finished"
+        time.sleep(0.05)
+    time.sleep(0.2)  # its exit
+
+def test_launches_spark():
+    import pyspark
+    submit = os.path.join(os.path.dirname(pyspark.__file__), "bin", "spark-submit")
+    subprocess.run([submit, "--version"], check=True, capture_output=True)
+
+def test_idle():
+    pass
+"""
+
+
+def test_a_tests_cost_counts_orphans_and_spark_launches(tmp_path: Path) -> None:
+    """An orphaned grandchild's 1.5 CPU-s count to its test (a cgroup: this machine runs
+    the suite as root, so the meter must be there); ``spark-submit`` counts as one
+    application JVM (its launcher JVM is not); an idle test costs next to nothing."""
+    meter = open_meter("spark-dilation-probe")
+    assert meter is not None, "no cgroup meter (root with cgroup cpuacct or v2 expected)"
+    meter.close()
+    junit = tmp_path / "inner.xml"
+    run = _inner_run(
+        tmp_path, COSTLY, f"--junitxml={junit}", plugin="spark_dilation.testing.cputime"
+    )
+    assert run.returncode == 0, run.stdout + run.stderr
+    props = {
+        case.get("name"): {p.get("name"): p.get("value") for p in case.iter("property")}
+        for case in ET.parse(junit).iter("testcase")
+    }
+    assert float(props["test_orphan_burns"]["cpu_s"]) >= 1.4, props
+    assert props["test_launches_spark"]["jvms"] == "SparkSubmit:1", props
+    assert "jvms" not in props["test_idle"] and "jvms" not in props["test_orphan_burns"], props
+    assert float(props["test_idle"]["cpu_s"]) < 0.5, props
