@@ -1,6 +1,7 @@
 # make test: the whole suite. make demo: a real transfer against embedded servers.
 # Both create .venv and install what they need on a fresh machine.
 # make test-oldest: a smoke run on the oldest supported PySpark (4.0.x) in its own venv.
+# make test-multimachine: the namespace-cluster and compose tests alone (make test's last step).
 PYTHON ?= python3
 VENV   ?= .venv
 PY      = $(VENV)/bin/python

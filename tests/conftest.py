@@ -179,4 +179,7 @@ def net_clusters(tmp_path_factory: pytest.TempPathFactory) -> Iterator:
     try:
         yield clusters
     finally:
-        clusters.close()
+        clusters.close()  # raises if anything of the run is left (NetClusters.leftovers)
+    # What tests/test_netcluster.py checks of a start, checked of the end: the logs a
+    # failure needs were kept before the run folder went.
+    assert (clusters.log_dir / "executors" / "a1").is_dir(), "executor logs were not collected"

@@ -50,6 +50,8 @@ from spark_dilation.transfer import TransferOptions, receive_dataset
 from spark_dilation.transfer.api import DatasetSender
 from spark_dilation.transfer.rules.errors import TransferAbortedError
 
+pytestmark = pytest.mark.liveness  # END_BOUND and BOUND
+
 PARTS = 4
 ROWS = 300_000  # per file: about 10 MB of incompressible rows
 RATE = 16e6  # bytes/s through the relay proxy: the 40 MB take about 3 s

@@ -23,6 +23,8 @@ from spark_dilation.errors import PeerTimeoutError, TransferError, WrongCodeErro
 from spark_dilation.testing.waiting import wait_until
 from spark_dilation.transfer.rules.options import TransferOptionError, TransferOptions
 
+pytestmark = pytest.mark.liveness  # each case bounds how long an end takes
+
 
 @pytest.fixture
 def background() -> Iterator[Callable[[Sequence[str]], Running]]:

@@ -464,18 +464,16 @@ def test_stream_between_clusters_survives_a_reader_kill(net_clusters: NetCluster
             folder / f"{side}.log",
         )
 
-    generated = app(nc.a, "generate", "--rows", str(rows), "--files", "12", "--out", str(src))
-    assert generated.wait(300) == 0, _tail(folder / "generate.log")
-    expected = _json_line(folder / "generate.log", "side")
     pairing = folder / "r-pairing"
     receive_args = [
         *common, "--out", str(folder / "out"), "--checkpoint", str(folder / "r-ck"),
         "--pairing", str(pairing), "--rows", str(rows),
     ]  # fmt: skip
     receiver = app(nc.b, "receive", *receive_args)
+    # The sender generates its input on cluster A's workers first (no application of its own).
     sender = app(
-        nc.a, "send", *common, "--source", str(src), "--checkpoint", str(folder / "s-ck"),
-        "--pairing", str(folder / "s-pairing"),
+        nc.a, "send", *common, "--source", str(src), "--rows", str(rows), "--files", "12",
+        "--checkpoint", str(folder / "s-ck"), "--pairing", str(folder / "s-pairing"),
     )  # fmt: skip
 
     def staged() -> int:
@@ -495,5 +493,7 @@ def test_stream_between_clusters_survives_a_reader_kill(net_clusters: NetCluster
     got = _json_line(folder / "receive.log", "side")
     assert got is not None and "error" not in got, _tail(folder / "receive.log")
     assert got["rows"] == got["distinct_ids"] == rows, got
-    assert expected is not None and got["digest"] == expected["digest"]
+    sent = _json_line(folder / "send.log", "side")
+    assert sent is not None and sent["expected"]["rows"] == rows, _tail(folder / "send.log")
+    assert got["digest"] == sent["expected"]["digest"]
     wait_until("the stream host to exit", lambda: not _helpers(nc.a, "streamhost"), 30)

@@ -27,7 +27,10 @@ from spark_dilation.transfer import TransferOptions, receive_dataset, send_in_ba
 from spark_dilation.transfer.rules.errors import ReceiverFailedError, StagingError
 from spark_dilation.transfer.rules.protocol import Offer
 
-pytestmark = pytest.mark.skipif(os.geteuid() != 0, reason="mounts tmpfs (needs root)")
+pytestmark = [
+    pytest.mark.skipif(os.geteuid() != 0, reason="mounts tmpfs (needs root)"),
+    pytest.mark.liveness,  # END_BOUND
+]
 
 END_BOUND = 30.0  # seconds each side may take to end after a failure (they take a few)
 NO_SPACE = "No space left on device"

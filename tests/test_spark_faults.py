@@ -51,6 +51,7 @@ from spark_dilation.transfer.rules.protocol import ABORT_TIMEOUT
 pytestmark = [
     pytest.mark.timeout(900),  # 8 rounds of a Spark application's start on a loaded machine
     pytest.mark.xdist_group("spark_faults"),
+    pytest.mark.liveness,  # the bounds above: not in the suite's Spark start-up burst
 ]
 
 ROUNDS = 8
@@ -97,15 +98,8 @@ def writer(wormhole_servers: Any, tmp_path_factory: pytest.TempPathFactory) -> I
         master="local[2,2]",
     )  # fmt: skip
     w.tmp = root / "tmp"
-    try:
-        assert "error" not in w.loaded()
+    with w.running():
         yield w
-        assert w.step("stop", timeout=120)["action"] == "stop"
-        w.proc.wait(60)
-    finally:
-        if w.proc.poll() is None:
-            os.killpg(w.proc.pid, signal.SIGKILL)
-            w.proc.wait()
 
 
 def _files(root: Path) -> list[str]:

@@ -3,11 +3,15 @@
 A Spark application per side needs its own process: the ``spark_peer``
 helper runs one side with ``subprocess``; the other side is that helper
 again, this process's session-scoped ``local[2]`` session, or the Python API.
+Cases that need only some kind of application (``local[2,2]``, where a task may
+fail once; a local cluster) share long-lived ones (``stepped_writer``), which
+serve one case after another, a failed one included.
 Every test compares content, never only counts.
 """
 
 from __future__ import annotations
 
+import contextlib
 import json
 import os
 import shutil
@@ -16,6 +20,7 @@ import subprocess
 import sys
 import threading
 import time
+from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
@@ -24,10 +29,12 @@ import pyarrow.dataset as ds
 import pyarrow.parquet as pq
 import pytest
 
+from spark_dilation.spark.dataset import REPORT_PREFIX
 from spark_dilation.testing import TcpProxy
 from spark_dilation.testing.leftovers import helper_processes
-from spark_dilation.testing.peer_process import PeerProcess
+from spark_dilation.testing.peer_process import PeerProcess, transfer_report
 from spark_dilation.testing.stepped_reader import SteppedReader
+from spark_dilation.testing.stepped_writer import SteppedWriter
 from spark_dilation.testing.waiting import wait_until
 from spark_dilation.transfer import receive_dataset, send_in_background
 
@@ -56,27 +63,76 @@ def staging(tmp: Path) -> str:
     return f"staging_dir={tmp / 'staging'}"
 
 
+def _start_app(argv: list[str], log: Path) -> subprocess.Popen[bytes]:
+    with log.open("wb") as out:
+        return subprocess.Popen(
+            argv, stdin=subprocess.DEVNULL, stdout=out, stderr=subprocess.STDOUT,
+            start_new_session=True,
+        )  # fmt: skip
+
+
+@contextlib.contextmanager
+def _stepped(servers: Any, folder: Path, master: str, executors: int = 0) -> Iterator[Any]:
+    """A long-lived ``stepped_writer`` application on ``master``, stopped at the end."""
+    app = SteppedWriter(
+        _start_app, folder / "control", folder / "app.log", mailbox=servers.mailbox_url,
+        relay=servers.relay_url, master=master, executors=executors,
+    )  # fmt: skip
+    with app.running():
+        yield app
+
+
+@pytest.fixture(scope="module")
+def local22(wormhole_servers: Any, tmp_path_factory: pytest.TempPathFactory) -> Iterator[Any]:
+    """One ``local[2,2]`` application (a task may fail once) for the xdist group
+    "local22": a retried sender task, a lane that fails before and after its rows."""
+    with _stepped(wormhole_servers, tmp_path_factory.mktemp("local22"), "local[2,2]") as app:
+        yield app
+
+
+@pytest.fixture(scope="module")
+def local_clusters(
+    wormhole_servers: Any, tmp_path_factory: pytest.TempPathFactory
+) -> Iterator[tuple[Any, Any]]:
+    """A writing and a reading ``local-cluster[2,1,1024]`` application (two executors
+    each, both registered before the first case) for the xdist group "local_clusters"."""
+    folder = tmp_path_factory.mktemp("local-clusters")
+    cluster = "local-cluster[2,1,1024]"
+    with (
+        _stepped(wormhole_servers, folder / "writer", cluster, executors=2) as writer,
+        _stepped(wormhole_servers, folder / "reader", cluster, executors=2) as reader,
+    ):
+        yield writer, reader
+
+
+def _step_report(app: Any, since: int) -> dict[str, Any]:
+    """The transfer report the app's ``commit()`` logged after byte ``since`` of its log
+    (a Python worker's stderr reaches the JVM's on a thread of its own: a moment later)."""
+    wait_until("the writer's transfer report", lambda: REPORT_PREFIX in app.logged(since), 15)
+    return transfer_report(app.logged(since), app.log)
+
+
 # --- Spark to Spark ----------------------------------------------------------------------
 
 
-def test_spark_to_spark_all_types_exact(wormhole_servers: Any, tmp_path: Path) -> None:
+def test_spark_to_spark_all_types_exact(spark: Any, wormhole_servers: Any, tmp_path: Path) -> None:
     """200k rows of every common type and nulls (four partitions of several Arrow batches
-    each); content, schema and nullability equal."""
+    each); content, schema and nullability equal. The reading application is this
+    process's session."""
     code = "80211-spark-to-spark"
-    receiver = peer(
-        "receive", code, wormhole_servers, tmp_path, "--out", str(tmp_path / "out"),
-        "--option", staging(tmp_path),
-    )  # fmt: skip
     sender = peer(
         "send", code, wormhole_servers, tmp_path, "--rows", "200000", "--partitions", "4",
         "--expected", str(tmp_path / "expected"),
     )  # fmt: skip
-    sent, got = sender.result(), receiver.result()
+    df = _load(spark, code, wormhole_servers, tmp_path)
+    df.show(3, truncate=40)
+    count = df.count()  # after show(): the second action reads staging
+    df.write.mode("overwrite").parquet(str(tmp_path / "out"))
+    sent = sender.result()
     assert "error" not in sent, sent
-    assert "error" not in got, got
     # Spark's own schemas, field by field: names, types, nullability (nested too).
-    assert json.loads(got["schema"]) == json.loads(sent["schema"])
-    assert got["count"] == 200_000  # after show(): the second action reads staging
+    assert json.loads(df.schema.json()) == json.loads(sent["schema"])
+    assert count == 200_000
     expected, received = read_parquet(tmp_path / "expected"), read_parquet(tmp_path / "out")
     assert received.num_rows == 200_000
     assert received.equals(expected)
@@ -88,27 +144,24 @@ def test_spark_to_spark_all_types_exact(wormhole_servers: Any, tmp_path: Path) -
 
 
 @pytest.mark.parametrize("sender_host", ["true", "false"])
+@pytest.mark.xdist_group("local_clusters")
 def test_local_clusters_share_connections(
-    wormhole_servers: Any, tmp_path: Path, sender_host: str
+    local_clusters: tuple[Any, Any], tmp_path: Path, sender_host: str
 ) -> None:
     """Two executors per side: fewer Dilation connections than partitions."""
     code = f"80212-local-cluster-{sender_host}"
-    cluster = "local-cluster[2,1,1024]"
-    receiver = peer(
-        "receive", code, wormhole_servers, tmp_path, "--master", cluster, "--executors", "2",
-        "--no-show", "--out", str(tmp_path / "out"), "--option", "lanes=2",
-        "--option", staging(tmp_path),
+    writer, reader = local_clusters
+    logged = writer.log_size()
+    reader.receive(code, tmp_path / "out", lanes="2", staging_dir=str(tmp_path / "staging"))
+    writer.send(
+        code, rows=60000, partitions=12, shape="rich", expected=tmp_path / "expected",
+        sender_host=sender_host,
     )  # fmt: skip
-    sender = peer(
-        "send", code, wormhole_servers, tmp_path, "--master", cluster, "--executors", "2",
-        "--rows", "60000", "--partitions", "12", "--expected", str(tmp_path / "expected"),
-        "--option", f"sender_host={sender_host}",
-    )  # fmt: skip
-    sent, got = sender.result(), receiver.result()
+    sent, got = writer.result(), reader.result()
     assert "error" not in sent, sent
     assert "error" not in got, got
     assert read_parquet(tmp_path / "out").equals(read_parquet(tmp_path / "expected"))
-    report = sender.report()
+    report = _step_report(writer, logged)
     assert report["partitions"] == 12
     if sender_host == "true":
         # Both executors run on this machine: their tasks and the commit used the
@@ -277,18 +330,20 @@ def test_l2_connection_aborted_repeatedly(wormhole_servers: Any, tmp_path: Path)
         proxy.close()
 
 
+@pytest.mark.xdist_group("local22")
 def test_sender_task_fails_mid_partition_and_is_retried(
-    wormhole_servers: Any, tmp_path: Path
+    local22: Any, wormhole_servers: Any, tmp_path: Path
 ) -> None:
     code = "80215-sender-retry"
-    sender = peer(
-        "send", code, wormhole_servers, tmp_path, "--master", "local[2,2]", "--rows", "100000",
-        "--expected", str(tmp_path / "expected"), "--option", "test_fail=sender-mid-partition:2",
+    logged = local22.log_size()
+    local22.send(
+        code, rows=100000, partitions=4, shape="rich", expected=tmp_path / "expected",
+        test_fail="sender-mid-partition:2",
     )  # fmt: skip
     got = receive_dataset(code, tmp_path / "out", **_options(wormhole_servers, tmp_path))
-    sent = sender.result()
+    sent = local22.result()
     assert "error" not in sent, sent
-    assert "fails mid-partition" in sender.stderr()  # the first attempts really failed
+    assert "fails mid-partition" in local22.logged(logged)  # the first attempts really failed
     assert got.report.rows == 100_000
     assert_same_rows(tmp_path / "out", tmp_path / "expected")
 
@@ -298,31 +353,36 @@ def _python_sender(servers: Any, tmp: Path, rows: int, **extra: Any) -> tuple[pa
     return table, send_in_background(table, **_options(servers, tmp, **extra))
 
 
-def test_lane_fails_before_emitting_rows_and_heals(wormhole_servers: Any, tmp_path: Path):
+@pytest.mark.xdist_group("local22")
+def test_lane_fails_before_emitting_rows_and_heals(
+    local22: Any, wormhole_servers: Any, tmp_path: Path
+):
     table, (sender, thread, box) = _python_sender(wormhole_servers, tmp_path, 200_000)
-    receiver = peer(
-        "receive", sender.code, wormhole_servers, tmp_path, "--master", "local[2,2]",
-        "--no-show", "--out", str(tmp_path / "out"), "--option", staging(tmp_path),
-        "--option", "test_fail=lane-before-rows",
+    logged = local22.log_size()
+    local22.receive(
+        sender.code, tmp_path / "out", staging_dir=str(tmp_path / "staging"),
+        test_fail="lane-before-rows",
     )  # fmt: skip
-    got = receiver.result()
+    got = local22.result()
     thread.join(60)
     assert "error" not in got, got
-    assert "fails before emitting rows" in receiver.stderr()
+    assert "fails before emitting rows" in local22.logged(logged)
     assert read_parquet(tmp_path / "out").equals(table)
     assert "error" not in box, box
 
 
-def test_lane_that_fails_after_emitting_rows_cannot_heal(wormhole_servers: Any, tmp_path: Path):
+@pytest.mark.xdist_group("local22")
+def test_lane_that_fails_after_emitting_rows_cannot_heal(
+    local22: Any, wormhole_servers: Any, tmp_path: Path
+):
     _table, (sender, thread, box) = _python_sender(
         wormhole_servers, tmp_path, 200_000, lane_start_timeout=60
     )
-    receiver = peer(
-        "receive", sender.code, wormhole_servers, tmp_path, "--master", "local[2,2]",
-        "--no-show", "--out", str(tmp_path / "out"), "--option", staging(tmp_path),
-        "--option", "test_fail=lane-after-rows",
+    local22.receive(
+        sender.code, tmp_path / "out", staging_dir=str(tmp_path / "staging"),
+        test_fail="lane-after-rows",
     )  # fmt: skip
-    got = receiver.result()
+    got = local22.result()
     thread.join(120)
     assert "cannot heal" in got.get("error", ""), got
     # If the loss came before the manifest, the sender hears it too (the

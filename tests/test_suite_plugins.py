@@ -27,6 +27,7 @@ import pytest
 from spark_dilation.testing.cputime import open_meter
 from spark_dilation.testing.leftovers import RUN_MARK, RUN_PREFIX_ENV, SYSTEM_TMP
 from spark_dilation.testing.waiting import wait_until
+from spark_dilation.testing.xdist_groups import order_units
 
 pytestmark = pytest.mark.integration
 
@@ -221,6 +222,17 @@ def test_launches_spark():
     submit = os.path.join(os.path.dirname(pyspark.__file__), "bin", "spark-submit")
     subprocess.run([submit, "--version"], check=True, capture_output=True)
 
+def test_forking_jvm(tmp_path):
+    # A "java" (this Python, by that name) whose child lives a while between fork and
+    # exec, showing its parent's command line: one JVM, not two.
+    java = tmp_path / "java"
+    java.symlink_to(sys.executable)
+    (tmp_path / "fakejvm.py").write_text(
+        "import os, time\\nif os.fork() == 0:\\n"
+        "    time.sleep(1.5)\\n    os._exit(0)\\nos.wait()\\n"
+    )
+    subprocess.run([str(java), "-m", "fakejvm"], cwd=tmp_path, check=True)
+
 def test_idle():
     pass
 """
@@ -229,7 +241,8 @@ def test_idle():
 def test_a_tests_cost_counts_orphans_and_spark_launches(tmp_path: Path) -> None:
     """An orphaned grandchild's 1.5 CPU-s count to its test (a cgroup: this machine runs
     the suite as root, so the meter must be there); ``spark-submit`` counts as one
-    application JVM (its launcher JVM is not); an idle test costs next to nothing."""
+    application JVM (its launcher JVM is not), a JVM's child before its exec not
+    at all; an idle test costs next to nothing."""
     meter = open_meter("spark-dilation-probe")
     assert meter is not None, "no cgroup meter (root with cgroup cpuacct or v2 expected)"
     meter.close()
@@ -244,5 +257,22 @@ def test_a_tests_cost_counts_orphans_and_spark_launches(tmp_path: Path) -> None:
     }
     assert float(props["test_orphan_burns"]["cpu_s"]) >= 1.4, props
     assert props["test_launches_spark"]["jvms"] == "SparkSubmit:1", props
+    assert props["test_forking_jvm"]["jvms"] == "fakejvm:1", props
     assert "jvms" not in props["test_idle"] and "jvms" not in props["test_orphan_burns"], props
     assert float(props["test_idle"]["cpu_s"]) < 0.5, props
+
+
+def test_liveness_units_are_not_handed_out_first() -> None:
+    """Largest unit first, as xdist orders them, but a unit with a liveness-bound test
+    only after the first ``hold`` units (the Spark start-up burst)."""
+    units = [
+        ("a", 1, False),
+        ("@g", 3, False),
+        ("b", 1, True),
+        ("@h", 2, True),
+        ("c", 1, False),
+        ("d", 1, False),
+    ]
+    assert order_units(units, hold=2) == ["@g", "a", "@h", "b", "c", "d"]
+    assert order_units(units, hold=0) == ["@h", "b", "@g", "a", "c", "d"]
+    assert order_units(units, hold=9) == ["@g", "a", "c", "d", "@h", "b"]

@@ -202,6 +202,7 @@ send_dataset(table, code=sys.argv[1], mailbox=sys.argv[2], relay=sys.argv[3],
 """
 
 
+@pytest.mark.liveness
 def test_a_sender_killed_without_a_word_ends_the_receiver_after_reconnect_timeout(
     opts: dict[str, Any], tmp_path: Path
 ) -> None:

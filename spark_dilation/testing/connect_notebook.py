@@ -33,12 +33,13 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--rows", type=int, default=10_000)
     p.add_argument("--out")
     p.add_argument("--staging-dir")
+    p.add_argument("--remote", default="local[2]", help="local[2] (a server of its own) or sc://")
     args = p.parse_args(argv)
 
     import spark_dilation
     from spark_dilation.testing.spark_peer import session
 
-    spark = session("local[2]", f"connect-notebook-{args.side}", remote="local[2]")
+    spark = session("local[2]", f"connect-notebook-{args.side}", remote=args.remote)
     options: dict[str, Any] = {"mailbox": args.mailbox}
     if args.relay:
         options["relay"] = args.relay

@@ -27,6 +27,7 @@ from __future__ import annotations
 
 import contextlib
 import os
+import re
 import resource
 import threading
 from collections import Counter
@@ -166,7 +167,7 @@ def main_class(argv: list[str]) -> str | None:
         elif arg == "-jar":
             return Path(next(args, "?")).name
         elif not arg.startswith("-"):
-            return arg.rsplit(".", 1)[-1]
+            return arg.rsplit(".", 1)[-1] if re.fullmatch(r"[\w.$]+", arg) else None
     return None
 
 
@@ -195,9 +196,14 @@ class JvmWatch:
                 if pid in self._seen:
                     continue
                 try:
-                    argv = Path(f"/proc/{pid}/cmdline").read_bytes().split(b"\0")
+                    raw = Path(f"/proc/{pid}/cmdline").read_bytes()
+                    fields = _stat(str(pid))
+                    parent = Path(f"/proc/{fields[1]}/cmdline").read_bytes() if fields else b""
                 except OSError:
                     continue
+                if raw == parent:
+                    continue  # a JVM's child between fork and exec shows the JVM's command
+                argv = raw.split(b"\0")
                 # Not marked seen until it is a java: `ip netns exec`, spark-class's
                 # bash and the like exec the JVM in the same pid.
                 cls = main_class([a.decode(errors="replace") for a in argv if a])

@@ -939,7 +939,23 @@ class NetClusters:
             left.append(f"directory {self.run_dir}")
         if self.servers is not None and self.servers.is_running():
             left.append(f"servers pid {self.servers.pid}")
-        return left
+        return left + [f"process {p}" for p in self._processes()]
+
+    def _processes(self) -> list[str]:
+        """Processes whose command line names the run folder or one of its namespaces."""
+        found = []
+        for entry in Path("/proc").iterdir():
+            if not entry.name.isdigit() or int(entry.name) == os.getpid():
+                continue
+            try:
+                cmdline = (
+                    (entry / "cmdline").read_bytes().replace(b"\0", b" ").decode(errors="replace")
+                )
+            except OSError:
+                continue
+            if str(self.run_dir) in cmdline or f"{self.prefix}-" in cmdline:
+                found.append(f"{entry.name}: {cmdline[:200]}")
+        return found
 
     def _built_clusters(self) -> list[Cluster]:
         """The clusters made so far (a failed start may have built only some)."""

@@ -78,14 +78,19 @@ class PeerProcess:
 
     def report(self) -> dict[str, Any]:
         """The transfer report the writer's ``commit()`` logged (the sender's side)."""
-        from spark_dilation.spark.dataset import REPORT_PREFIX
-
-        lines = [line for line in self.stderr().splitlines() if line.startswith(REPORT_PREFIX)]
-        if not lines:
-            raise PeerError(f"the writer's commit() logged no transfer report ({self.log})")
-        return json.loads(lines[-1][len(REPORT_PREFIX) :])
+        return transfer_report(self.stderr(), self.log)
 
     def kill(self) -> None:
         if self.proc.poll() is None:
             self.proc.kill()
             self.proc.wait()
+
+
+def transfer_report(text: str, where: Path) -> dict[str, Any]:
+    """The last transfer report a writer's ``commit()`` logged in ``text`` (from ``where``)."""
+    from spark_dilation.spark.dataset import REPORT_PREFIX
+
+    lines = [line for line in text.splitlines() if line.startswith(REPORT_PREFIX)]
+    if not lines:
+        raise PeerError(f"the writer's commit() logged no transfer report ({where})")
+    return json.loads(lines[-1][len(REPORT_PREFIX) :])

@@ -18,11 +18,14 @@ even ``id``), ``parquet`` (write to ``{"path"}``, read back, digest) and
 from __future__ import annotations
 
 import argparse
+import contextlib
 import json
+import os
+import signal
 import subprocess
 import sys
 import time
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Iterator, Sequence
 from pathlib import Path
 from typing import Any
 
@@ -59,6 +62,30 @@ class SteppedApp:
     def __init__(self, proc: subprocess.Popen[bytes], control: Path, log: Path) -> None:
         self.proc, self.control, self.log = proc, control, log
         self.step_no = 0
+
+    def logged(self, since: int = 0) -> str:
+        """Its log from byte ``since`` on (:meth:`log_size` before a step: that step's)."""
+        with self.log.open("rb") as f:
+            f.seek(since)
+            return f.read().decode(errors="replace")
+
+    def log_size(self) -> int:
+        return self.log.stat().st_size if self.log.exists() else 0
+
+    @contextlib.contextmanager
+    def running(self) -> Iterator[SteppedApp]:
+        """Loaded (else fails), then stopped at the end; SIGKILLed with its process
+        group (started in a session of its own) if it did not stop."""
+        try:
+            loaded = self.loaded()
+            assert "error" not in loaded, f"{loaded}\n{self.logged()[-3000:]}"
+            yield self
+            assert self.step("stop", timeout=120)["action"] == "stop"
+            self.proc.wait(60)
+        finally:
+            if self.proc.poll() is None:
+                os.killpg(self.proc.pid, signal.SIGKILL)
+                self.proc.wait()
 
     def loaded(self, timeout: float = 300) -> dict[str, Any]:
         return self._wait("loaded.json", timeout)
