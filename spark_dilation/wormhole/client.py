@@ -372,7 +372,8 @@ class Wormhole:
             self._ws = None
             self._feed(self._core.connection_lost())
             if id(self._reactor) in _shutting_down:
-                log.info("the mailbox connection closed as this process exits")
+                # Debug: it can come after the command's last line, which must stay last.
+                log.debug("the mailbox connection closed as this process exits")
             elif not self._stopping:
                 # Info, not a warning: it reconnects on its own, a transfer whose data
                 # connections are up no longer needs it, and a wait that does need it
