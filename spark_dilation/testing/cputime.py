@@ -57,27 +57,15 @@ def tree_cpu(root: int | None = None) -> float:
     own = resource.getrusage(resource.RUSAGE_SELF)
     reaped = resource.getrusage(resource.RUSAGE_CHILDREN)
     total = own.ru_utime + own.ru_stime + reaped.ru_utime + reaped.ru_stime
-    stats: dict[int, list[str]] = {}
-    children: dict[int, list[int]] = {}
     try:
-        entries = [e for e in os.listdir("/proc") if e.isdigit()]
+        tree = _descendants(root)
     except OSError:
         return total
-    for entry in entries:
-        fields = _stat(entry)
-        if fields is None:
-            continue
-        pid, ppid = int(entry), int(fields[1])
-        stats[pid] = fields
-        children.setdefault(ppid, []).append(pid)
     ticks = 0
-    todo = list(children.get(root, []))
-    while todo:
-        pid = todo.pop()
-        fields = stats[pid]
-        # utime, stime, cutime, cstime: fields 14-17 of stat, [11:15] from "state"
-        ticks += sum(int(v) for v in fields[11:15])
-        todo += children.get(pid, [])
+    for pid in tree:
+        fields = _stat(str(pid))
+        if fields is not None:  # utime, stime, cutime, cstime: stat 14-17, [11:15] here
+            ticks += sum(int(v) for v in fields[11:15])
     return total + ticks / _TICK
 
 
