@@ -9,6 +9,16 @@ PY      = $(VENV)/bin/python
 CONSTRAINTS = conf/test-constraints.txt
 STAMP   = $(VENV)/.installed-$(shell cat pyproject.toml $(CONSTRAINTS) | cksum | cut -d' ' -f1)
 
+# pytest keeps its base temps in one folder per user and, at each session's end,
+# removes all but the newest three: another run on the machine (another clone's
+# make check) removed a running suite's base temp. Each checkout gets its own root,
+# short: Unix socket paths under it must fit 108 bytes or take the long-path way.
+ifndef PYTEST_DEBUG_TEMPROOT
+PYTEST_DEBUG_TEMPROOT := /tmp/sd-$(shell printf %s "$(CURDIR)" | cksum | cut -d' ' -f1)
+endif
+export PYTEST_DEBUG_TEMPROOT
+$(shell mkdir -p $(PYTEST_DEBUG_TEMPROOT))
+
 .PHONY: jvm-archive test test-multimachine check test-oldest venv-oldest demo lint format check-java venv bytecode clean
 
 venv: $(STAMP)

@@ -407,16 +407,16 @@ def test_reader_application_killed_mid_transfer(net_clusters: NetClusters) -> No
 
 def test_worker_killed_mid_transfer(net_clusters: NetClusters) -> None:
     """A reader machine is lost while its lane receives (a partition in flight, none
-    confirmed yet: first attempts pause 40 s after their header): the lane is received
-    anew (by Spark's rerun of its task on another executor, or by the registry on the
-    driver's machine if no task claims it within 30 s), the senders' pools find that
-    new incarnation in the lane's lobby seconds after their connections
-    went down (not after reconnect_timeout, 120 s) and send again the partitions in
-    flight: the rows are exact. (Had the lost lane confirmed a partition, both sides
-    would fail with "cannot heal": tests/test_spark_transfer.py.)"""
+    confirmed yet: first attempts pause 20 s after their header, ample for the kill
+    that follows): the lane is received anew (by Spark's rerun of its task on another
+    executor, or by the registry on the driver's machine if no task claims it within
+    30 s), the senders' pools find that new incarnation in the lane's lobby seconds
+    after their connections went down (not after reconnect_timeout, 120 s) and send
+    again the partitions in flight: the rows are exact. (Had the lost lane confirmed a
+    partition, both sides would fail with "cannot heal": tests/test_spark_transfer.py.)"""
     nc = net_clusters
     writer, writer_log = _send(
-        nc, "11-worker-lost", "wlost", "--option", "test_fail=sender-pause:40",
+        nc, "11-worker-lost", "wlost", "--option", "test_fail=sender-pause:20",
     )  # fmt: skip
     reader = Reader(nc, "11-worker-lost", "wlost")
     assert "error" not in reader.loaded()

@@ -30,6 +30,7 @@ from spark_dilation.transfer.send.hostlink import (
     send_partition_via_host,
     socket_path,
     start_sender_host,
+    unix_address,
 )
 from spark_dilation.transfer.send.stream import PartitionStream
 
@@ -95,7 +96,8 @@ def test_tasks_hand_partitions_to_the_sender_host(opts: dict[str, Any]) -> None:
 
     # A stranger (no token of this transfer) is dropped; the host goes on.
     stranger = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
-    stranger.connect(str(socket_path(spec)))
+    with unix_address(socket_path(spec)) as address:  # as a task connects: a long path works
+        stranger.connect(address)
     stranger.sendall(b"SDH1" + b"\0" * 32 + b"P" + _LEN.pack(2) + b"{}")
     stranger.settimeout(10)
     try:
