@@ -44,6 +44,8 @@ RELAY_ENV = "SPARK_DILATION_RELAY"
 EXIT_ERROR = 1
 EXIT_USAGE = 2
 WAIT_FOREVER = 7 * 24 * 3600.0  # "no --timeout" for the dataset API's deadlines
+# serve's mailbox database: on disk, so a restarted server strands no meeting (issue 42).
+SERVE_DB = "mailbox.sqlite"
 
 
 class _Parser(argparse.ArgumentParser):
@@ -208,6 +210,14 @@ def build_parser() -> argparse.ArgumentParser:
     )
     serve.add_argument("--motd", help="message of the day shown to clients")
     serve.add_argument("--disallow-list", action="store_true", help="refuse to list nameplates")
+    serve.add_argument(
+        "--channel-db",
+        default=SERVE_DB,
+        metavar="PATH",
+        help="the mailbox server's database (default %(default)s in the current folder): a "
+        "restarted server keeps its nameplates and mailboxes, so transfers meeting at the "
+        "time go on; ':memory:' keeps nothing",
+    )
 
     demo = sub.add_parser(
         "demo",
@@ -269,6 +279,7 @@ def main(argv: Sequence[str] | None = None) -> int:
             relay_port=args.relay_port,
             motd=args.motd,
             allow_list=not args.disallow_list,
+            channel_db=args.channel_db,
         )
     if args.command == "cleanup":
         return cleanup.run(args)

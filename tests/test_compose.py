@@ -49,10 +49,12 @@ def free_port() -> int:
 
 
 class Remap:
-    """Container (host, port) pairs to free loopback ports, the same pair to the same port."""
+    """Container (host, port) pairs to free loopback ports, the same pair to the same port;
+    named volumes to folders under ``data``."""
 
-    def __init__(self) -> None:
+    def __init__(self, data: Path) -> None:
         self.ports: dict[tuple[str, int], int] = {}
+        self.data = data
 
     def port(self, host: str, port: int) -> int:
         return self.ports.setdefault((host, port), free_port())
@@ -66,16 +68,17 @@ class Remap:
     def command(self, name: str, service: dict) -> list[str]:
         me = service.get("hostname", name)
         args = list(service["command"])
-        mounts = volumes(service)
+        mounts = volumes(service, self.data)
         out: list[str] = []
         for i, arg in enumerate(args):
             before = args[i - 1] if i else ""
+            inside = [t for t in mounts if arg == t or arg.startswith(t + "/")]
             if before in LISTEN_FLAGS:
                 out.append(str(self.port(me, int(arg))))
             elif before in HOST_FLAGS:
                 out.append("127.0.0.1")
-            elif arg in mounts:
-                out.append(str(mounts[arg]))
+            elif inside:
+                out.append(str(mounts[inside[0]]) + arg[len(inside[0]) :])
             else:
                 out.append(self.text(arg))
         # The image's programs are this venv's.
@@ -88,12 +91,17 @@ class Remap:
         return env
 
 
-def volumes(service: dict) -> dict[str, Path]:
-    """Container paths of the service's bind mounts -> the repository's folders."""
+def volumes(service: dict, data: Path | None = None) -> dict[str, Path]:
+    """Container paths of the service's mounts -> folders here: a bind mount's the
+    repository's, a named volume's one under ``data`` (made, as Docker makes it)."""
     mounts = {}
     for volume in service.get("volumes") or []:
         source, target = volume.split(":")[:2]
-        mounts[target] = (ROOT / source).resolve()
+        if source.startswith((".", "/")):
+            mounts[target] = (ROOT / source).resolve()
+        elif data is not None:
+            mounts[target] = data / source
+            mounts[target].mkdir(parents=True, exist_ok=True)
     return mounts
 
 
@@ -137,8 +145,8 @@ def stop(procs: list[subprocess.Popen]) -> None:
 @pytest.fixture(scope="module")
 def services(tmp_path_factory) -> Iterator[tuple[dict, Remap, dict[str, subprocess.Popen]]]:
     spec = compose()
-    remap = Remap()
     logs = tmp_path_factory.mktemp("compose")
+    remap = Remap(logs / "volumes")
     procs: dict[str, subprocess.Popen] = {}
     try:
         for name, service in spec["services"].items():
@@ -232,6 +240,8 @@ def test_the_wormhole_service_carries_a_dataset(services):
     report = handle.wait(STARTUP)
     assert got.equals(table)
     assert report.path == "relay"  # no_listen on both sides: only the relay service joins them
+    # Its mailbox database is on the service's volume (a restart keeps the meetings).
+    assert (remap.data / "wormhole-data" / "mailbox.sqlite").is_file()
 
 
 @pytest.mark.integration  # starts processes of its own
@@ -375,7 +385,7 @@ def test_the_jupyter_service_serves_the_tested_notebooks(tmp_path):
     # The image runs the JupyterLab this test runs.
     pinned = re.search(r'"(jupyterlab==[\d.]+)"', (ROOT / "pyproject.toml").read_text())
     assert pinned and pinned[1] in (ROOT / "Dockerfile").read_text()
-    remap = Remap()
+    remap = Remap(tmp_path / "volumes")
     proc = start_service("jupyter", jupyter, remap, tmp_path)
     api = Jupyter(remap.port("jupyter", 8888))
     kernel_pid = None

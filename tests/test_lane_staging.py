@@ -81,6 +81,48 @@ def test_a_partition_completes_into_the_staging(tmp_path: Path) -> None:
     assert decode_message(channel.sent[-1])[1]["rows"] == TABLE.num_rows
 
 
+def test_a_lane_never_reached_ends_with_no_path_whoever_sees_the_loss_first(
+    tmp_path: Path, monkeypatch: Any
+) -> None:
+    """The lane's only connection found no path (relay refused, no direct): the
+    connection's loop records the loss, then ends the lane after closing it. The
+    waiter's idle check may see the loss in between (a loaded machine): the lane's
+    error is the no-path error either way, not a lost sender (r12, test_deadlines)."""
+    from spark_dilation.dilation.manager import DilationNoPath
+
+    receiver, _, _ = lane(tmp_path)
+    no_path = DilationNoPath("could not reach the other side: relay tcp:127.0.0.1:9 refused")
+
+    class Conn:
+        def accept(self, name: str, timeout: float) -> Any:
+            raise no_path
+
+        def close(self, timeout: float, linger: float) -> None:
+            pass
+
+        def status(self) -> Any:
+            raise TransferError("closed")
+
+    conn = Conn()
+    receiver._connections.append(conn)
+    recorded, go = threading.Event(), threading.Event()
+    finish = receiver._finish
+
+    def held_finish(error: BaseException | None, linger: float = 2.0) -> None:
+        recorded.set()  # the loss is recorded; the waiter runs before the lane ends
+        go.wait(10)
+        finish(error, linger)
+
+    monkeypatch.setattr(receiver, "_finish", held_finish)
+    loop = threading.Thread(target=receiver._accept_loop, args=(conn, "p", None), daemon=True)
+    loop.start()
+    assert recorded.wait(10)
+    error = receiver.wait_finished(timeout=5)
+    go.set()
+    loop.join(10)
+    assert error is no_path, error
+
+
 def test_a_partition_completing_after_the_seal_is_not_kept(tmp_path: Path) -> None:
     receiver, staging, messages = lane(tmp_path)
     channel = Channel(messages, before_trailer=receiver.seal)

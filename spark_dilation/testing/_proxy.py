@@ -112,6 +112,9 @@ class TcpProxy:
         self._refused = 0
         self._frozen = False
         self._refusing = False
+        self._refuse_next = 0
+        self._refuse_rng: random.Random | None = None
+        self._refuse_probability = 0.0
         self._closing = False
         # Token bucket of limit_rate(): bytes we may still read, refilled at _rate.
         self._rate: float | None = None
@@ -168,7 +171,8 @@ class TcpProxy:
 
     @property
     def refused_connections(self) -> int:
-        """Connections closed on arrival because of :meth:`refuse_new`."""
+        """Connections closed on arrival (:meth:`refuse_new`, :meth:`refuse_next`,
+        :meth:`refuse_randomly`)."""
         return self._refused
 
     @property
@@ -224,6 +228,20 @@ class TcpProxy:
     def refuse_new(self, flag: bool = True) -> None:
         """While ``flag`` is true, close new connections as soon as they arrive."""
         self._call(lambda: setattr(self, "_refusing", bool(flag)))
+
+    def refuse_next(self, count: int) -> None:
+        """Close the next ``count`` new connections as soon as they arrive."""
+        self._call(lambda: setattr(self, "_refuse_next", int(count)))
+
+    def refuse_randomly(self, probability: float, seed: int) -> None:
+        """Close each new connection on arrival with ``probability`` (a flaky network),
+        drawn from a ``random.Random(seed)``; 0 stops it."""
+
+        def set_it() -> None:
+            self._refuse_probability = float(probability)
+            self._refuse_rng = random.Random(seed) if probability > 0 else None
+
+        self._call(set_it)
 
     def close(self) -> None:
         """Reset every connection, stop listening and stop the thread. Idempotent."""
@@ -337,7 +355,8 @@ class TcpProxy:
                 log.warning("%r: accept failed: %s", self, e)
                 return
             self._total += 1
-            if self._refusing:
+            if self._refusing or self._refuse_next > 0 or self._unlucky():
+                self._refuse_next = max(0, self._refuse_next - 1)
                 self._refused += 1
                 client.close()
                 continue
@@ -355,6 +374,10 @@ class TcpProxy:
             link = _Link(client, upstream, connecting=err != 0)
             self._links.add(link)
             self._update(link)
+
+    def _unlucky(self) -> bool:
+        rng = self._refuse_rng
+        return rng is not None and rng.random() < self._refuse_probability
 
     def _service(self, link: _Link, sock: socket.socket, mask: int) -> None:
         if link.connecting:

@@ -46,6 +46,16 @@ log = logging.getLogger(__name__)
 DEFAULT_MAILBOX_URL = "ws://relay.magic-wormhole.io:4000/v1"
 # How long close() waits for the server to confirm release/close.
 CLOSE_TIMEOUT = 10.0
+# Tries at the first connection before a wormhole fails with ServerConnectionError
+# (the reference gives up at the first): a dropped connection on a flaky network
+# must not end a transfer (all 6 lost at 20 % loss: 1 in 15,000), and an unreachable
+# server still fails within about 7 s (backoff 0.2, 0.4, ... 3.2 s). A try that
+# connects but closes before the WebSocket opens counts as failed. Once connected,
+# it reconnects for as long as it lives. Meetings at doors try until their deadline.
+CONNECT_TRIES = 6
+# ...and no new try after this many seconds: a server that takes TCP connections but
+# never answers costs one WebSocket handshake timeout (30 s), as with a single try.
+CONNECT_WINDOW = 30.0
 
 
 _shutting_down: set[int] = set()  # id() of reactors whose shutdown has begun
@@ -170,6 +180,9 @@ class Wormhole:
     the wait for the other side to use the code and confirm the key; when it
     expires the wormhole closes with :class:`PeerTimeoutError`, whose advice
     names ``timeout_option`` (the caller's spelling: ``--timeout``, ``peer_timeout=``).
+    ``connect_tries``: first-connection tries before it fails with
+    :class:`ServerConnectionError` (within ``CONNECT_WINDOW`` s); None tries until
+    it is closed (a meeting, whose caller holds the deadline).
     """
 
     def __init__(
@@ -186,7 +199,10 @@ class Wormhole:
         retry_policy: Callable[[int], float] | None = None,
         dilation: bool = False,
         keep_nameplate: bool = False,
+        connect_tries: int | None = CONNECT_TRIES,
     ) -> None:
+        if connect_tries is not None and connect_tries < 1:
+            raise ValueError("connect_tries is at least 1 (None: until closed)")
         if versions is None:
             versions = {}
             if dilation:
@@ -206,6 +222,12 @@ class Wormhole:
         self._timeout_option = timeout_option
         self._ws: _MailboxProtocol | None = None
         self._ever_connected = False
+        self._connect_tries = connect_tries
+        self._connect_since = reactor.seconds()
+        self.failed_tries = 0
+        """First-connection tries that failed (counted until the WebSocket first opens)."""
+        self.connection_problem: str | None = None
+        """Why the last try failed, while the WebSocket never opened (None once it did)."""
         self._stopping = False
         self._timers: dict[str, Any] = {}
         self._pings = itertools.count(1)
@@ -223,9 +245,9 @@ class Wormhole:
         self._nameplate_lists = _Queue(reactor)
         self.on_dilate_record: Callable[[bytes], None] | None = None
 
-        self._service = mailbox_service(reactor, mailbox_url, self, retry_policy)
-        first = self._service.whenConnected(failAfterFailures=1)
-        first.addErrback(self._first_connection_failed)
+        self._service = mailbox_service(
+            reactor, mailbox_url, self, retry_policy, on_failed=self._try_failed
+        )
 
     # --- public API -----------------------------------------------------------
 
@@ -360,7 +382,13 @@ class Wormhole:
             return
         if self._ever_connected:
             log.info("reconnected to the mailbox server at %s", self._url)
+        elif self.failed_tries:
+            log.info(
+                "connected to the mailbox server at %s after %d failed tries",
+                self._url, self.failed_tries,
+            )  # fmt: skip
         self._ever_connected = True
+        self.connection_problem = None
         self._ws = proto
         self._feed(self._core.connection_made())
 
@@ -379,13 +407,23 @@ class Wormhole:
                 # connections are up no longer needs it, and a wait that does need it
                 # fails by its own deadline with the cause (no raw line over the bars).
                 log.info("lost the mailbox connection (%s); reconnecting", reason)
-        elif not self._ever_connected and not self._stopping:
+        elif not self._ever_connected:
             # The TCP connection worked but it never became a mailbox WebSocket.
-            self._abort(ServerConnectionError(self._url, reason))
+            self._try_failed(reason)
 
-    def _first_connection_failed(self, failure: Failure) -> None:
-        if not self._stopping:
-            self._abort(ServerConnectionError(self._url, _describe(failure)))
+    def _try_failed(self, reason: str) -> None:
+        """A try at the first connection failed; the service tries again after its
+        backoff unless the tries are used up."""
+        if self._ever_connected or self._stopping:
+            return
+        self.failed_tries += 1
+        self.connection_problem = reason
+        late = self._reactor.seconds() - self._connect_since >= CONNECT_WINDOW
+        if self._connect_tries is not None and (self.failed_tries >= self._connect_tries or late):
+            tries = f" ({self.failed_tries} tries)" if self.failed_tries > 1 else ""
+            self._abort(ServerConnectionError(self._url, reason + tries))
+        else:
+            log.debug("mailbox connection try %d failed: %s", self.failed_tries, reason)
 
     # --- plumbing ----------------------------------------------------------------
 
@@ -508,12 +546,19 @@ class Wormhole:
 
 
 def mailbox_service(
-    reactor: Any, url: str, owner: Any, retry_policy: Callable[[int], float] | None = None
+    reactor: Any,
+    url: str,
+    owner: Any,
+    retry_policy: Callable[[int], float] | None = None,
+    on_failed: Callable[[str], None] | None = None,
 ) -> ClientService:
     """A started WebSocket service to the mailbox server at ``url`` that reconnects with
     backoff. ``owner`` gets ``_ws_open(proto)``, ``_ws_frame(payload)`` and
-    ``_ws_closed(proto, reason)``; it stops the service when done."""
+    ``_ws_closed(proto, reason)``; it stops the service when done. ``on_failed(reason)``
+    hears every connection try that failed before TCP connected."""
     endpoint = _endpoint_for(reactor, url)  # validates the URL first
+    if on_failed is not None:
+        endpoint = _TellingEndpoint(endpoint, on_failed)
     factory = WebSocketClientFactory(url)
     factory.protocol = _MailboxProtocol
     factory.wormhole = owner
@@ -526,6 +571,23 @@ def mailbox_service(
     )
     service.startService()
     return service
+
+
+class _TellingEndpoint:
+    """An endpoint that tells ``on_failed`` why a connection try failed (ClientService
+    only tells that to its whenConnected waiters, and only by a count fixed up front)."""
+
+    def __init__(self, endpoint: Any, on_failed: Callable[[str], None]) -> None:
+        self._endpoint = endpoint
+        self._on_failed = on_failed
+
+    def connect(self, factory: Any) -> defer.Deferred:
+        def failed(failure: Failure) -> Failure:
+            if not failure.check(defer.CancelledError):  # the service stopping
+                self._on_failed(_describe(failure))
+            return failure
+
+        return self._endpoint.connect(factory).addErrback(failed)
 
 
 def _endpoint_for(reactor: Any, url: str) -> Any:

@@ -28,7 +28,7 @@ from typing import Any
 
 import crochet
 
-from ...errors import CrowdedError, DilationError, TransferError
+from ...errors import CrowdedError, DilationError, ServerConnectionError, TransferError
 from ...wormhole.blocking import claim, ensure_reactor, run_and_wait
 from ..rules.directory import (
     DirectoryState,
@@ -94,14 +94,22 @@ def meet(
     deadline: float | None = None,
     cancelled: Callable[[], bool] = lambda: False,
     what: str = "the peer",
+    started: Callable[[Any], None] = lambda _: None,
 ) -> Any:
     """Claim ``code`` and wait for the peer the directory sent there (blocking; not in the
     reactor). Returns the wormhole, confirmed and not yet dilated.
 
     ``deadline`` is a ``time.monotonic()`` value (None: wait until ``cancelled()``).
-    Raises :class:`RendezvousTimeout`, :class:`RendezvousCancelled`, or the
-    mailbox's own error (server unreachable). The wormhole releases its
-    nameplate once the peer is there and is closed on every failure.
+    The mailbox connection is tried again with backoff until then, a first
+    connection included: a meeting ends only by its peer, its deadline or its
+    cancel, never by a dropped connection, so its door's attempt is never
+    skipped (a claim that went out on a lost connection is sent again, by the
+    same side, on the next). Raises :class:`RendezvousTimeout` (or, if the mailbox
+    server was never reached, :class:`~spark_dilation.errors.ServerConnectionError`
+    with why), :class:`RendezvousCancelled`, or the server's own refusal. The
+    wormhole releases its nameplate once the peer is there and is closed on every
+    failure. ``started(wormhole)`` runs once it exists (a caller's watch on
+    ``connection_problem``).
     """
     from twisted.internet import reactor
 
@@ -113,7 +121,7 @@ def meet(
     def start() -> tuple[Any, Any]:
         w = Wormhole(
             RENDEZVOUS_APPID, spec.options.mailbox_url, reactor, app_versions=versions,
-            dilation=True,
+            dilation=True, connect_tries=None,
         )  # fmt: skip
         w.set_code(code)
         return w, crochet.EventualResult(w.get_versions(), reactor)
@@ -121,6 +129,7 @@ def meet(
     w, waiter = run_and_wait(
         start, timeout=30, on_timeout=lambda: RendezvousTimeout("starting a wormhole took 30 s")
     )
+    started(w)
     try:
         while True:
             try:
@@ -130,7 +139,9 @@ def meet(
                 if cancelled():
                     raise RendezvousCancelled(f"stopped waiting for {what}") from None
                 if deadline is not None and time.monotonic() >= deadline:
-                    raise RendezvousTimeout(f"{what} did not come in time") from None
+                    raise unreachable(w, spec) or RendezvousTimeout(
+                        f"{what} did not come in time"
+                    ) from None
     except BaseException as e:
         claim(waiter)  # its error (the close below) is ours to drop, not crochet's to log
         close_wormhole(w)
@@ -142,6 +153,16 @@ def meet(
         close_wormhole(w)
         raise ProtocolError(f"meeting {what}: {problem}")
     return w
+
+
+def unreachable(w: Any, spec: TransferSpec) -> ServerConnectionError | None:
+    """The mailbox server was never reached by ``w`` (a meeting's wormhole): why, or None."""
+    problem = w.connection_problem if w is not None else None
+    if problem is None:
+        return None
+    return ServerConnectionError(
+        spec.options.mailbox_url, f"{problem} (tried {w.failed_tries} times, still trying)"
+    )
 
 
 def close_wormhole(w: Any) -> None:

@@ -400,8 +400,14 @@ class LaneReceiver:
                 if lost and not busy and not self.finished:
                     # Every sender connection is gone and the last one did not come
                     # back within reconnect_timeout: the sender ended without a word
-                    # (killed, machine lost) or the network between us is down.
-                    self._apply(LaneEvent.ENDED, LaneIdleError(self._lost_sender_message(lost)))
+                    # (killed, machine lost) or the network between us is down. A lane
+                    # never reached whose connection found no path ends with that
+                    # error itself, as _accept_loop ends it (whichever comes first).
+                    never_up = isinstance(lost, DilationNoPath) and not self._ever_up
+                    self._apply(
+                        LaneEvent.ENDED,
+                        lost if never_up else LaneIdleError(self._lost_sender_message(lost)),
+                    )
                 elif quiet > idle and not busy and not self.finished:
                     self._apply(
                         LaneEvent.ENDED,

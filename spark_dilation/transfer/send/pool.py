@@ -46,6 +46,7 @@ from ..meet.rendezvous import (
     dilate_paired,
     meet,
     sender_view,
+    unreachable,
 )
 from ..rules.directory import Door
 from ..rules.errors import (
@@ -109,6 +110,7 @@ class _Meeting:
         self.conn: Any = None
         self.error: BaseException | None = None
         self.thread: threading.Thread | None = None
+        self.wormhole: Any = None  # the door's wormhole now: why the mailbox is not reached
 
 
 class ConnectionPool:
@@ -157,7 +159,8 @@ class ConnectionPool:
             if ended.is_set():
                 raise self.failure(spec.transfer_id) or TransferError("cancelled")
             if time.monotonic() >= deadline:
-                raise LaneNotStartedError(
+                # The true cause: a mailbox server never reached is not a lane never hosted.
+                raise unreachable(meeting.wormhole, spec) or LaneNotStartedError(
                     lane, spec.lanes, spec.options.lane_start_timeout, what, spec.options
                 )
         if isinstance(meeting.error, RendezvousCancelled):
@@ -214,8 +217,10 @@ class ConnectionPool:
                     return stopped() or view.epoch(lane) != door.epoch
 
                 try:
-                    w = meet(spec, door.code(spec.secret), ROLE_SENDER, door, cancelled=stale,
-                             what=what)  # fmt: skip
+                    w = meet(
+                        spec, door.code(spec.secret), ROLE_SENDER, door, cancelled=stale,
+                        what=what, started=lambda w: setattr(meeting, "wormhole", w),
+                    )  # fmt: skip
                 except RendezvousCancelled:
                     if stopped():
                         raise
