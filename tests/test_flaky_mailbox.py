@@ -23,7 +23,7 @@ from typing import Any
 
 import pyarrow as pa
 import pytest
-from reactor_helpers import failure_of, reactor, reactor_test
+from reactor_helpers import failure_of, reactor, reactor_test, sleep
 from twisted.internet import threads
 
 from spark_dilation.errors import ServerConnectionError
@@ -196,3 +196,60 @@ async def test_serve_keeps_its_mailboxes_across_a_restart(tmp_path: Path) -> Non
                 with contextlib.suppress(Exception):
                     await w.close()
         await threads.deferToThread(_stop, server)
+
+
+# --- strangers cannot list our doors -----------------------------------------------------
+
+
+async def _quiet_close(w: Wormhole) -> None:
+    with contextlib.suppress(Exception):  # it only listed: nothing to say goodbye to
+        await w.close()
+
+
+@reactor_test(timeout=180)
+async def test_list_on_the_public_appid_shows_none_of_a_transfers_doors(
+    mailbox_url: str, relay_url: str, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """While a transfer's lanes keep their doors claimed, ``list`` (which the server
+    allows by default) on the public rendezvous appid shows none of them; on the appid
+    both ends derived from the secret it does (so the listing would have seen them)."""
+    from spark_dilation.transfer.meet import rendezvous
+    from spark_dilation.transfer.rules.protocol import RENDEZVOUS_APPID
+
+    derived: set[str] = set()
+    appid = rendezvous.rendezvous_appid
+
+    def recorded(secret: bytes, private: bool) -> str:
+        value = appid(secret, private)
+        derived.add(value)
+        return value
+
+    monkeypatch.setattr(rendezvous, "rendezvous_appid", recorded)
+    table = _table(20_000)
+    # Each first attempt pauses 3 s after its header: the doors stay claimed meanwhile.
+    opts = {"mailbox": mailbox_url, "relay": relay_url, "staging_dir": str(tmp_path / "st")}
+    sender, thread, box = await threads.deferToThread(
+        send_in_background, table, test_fail="sender-pause:3", **opts
+    )
+    receiving = threads.deferToThread(receive_dataset, sender.code, lanes=2, **opts)
+    public = Wormhole(RENDEZVOUS_APPID, mailbox_url, reactor())
+    seen_public: set[str] = set()
+    seen_private: set[str] = set()
+    try:
+        while not receiving.called:
+            seen_public.update(await public.list_nameplates())
+            if derived:
+                (private_appid,) = derived
+                w = Wormhole(private_appid, mailbox_url, reactor())
+                seen_private.update(await w.list_nameplates())
+                await _quiet_close(w)
+            await sleep(0.2)
+        got = await receiving
+    finally:
+        await _quiet_close(public)
+    await threads.deferToThread(thread.join, 60)
+    assert "error" not in box, box
+    assert got.table is not None and got.table.equals(table)
+    assert seen_private, "the transfer's own appid listed no door: the listing proves nothing"
+    assert not seen_public, f"a stranger's list shows {len(seen_public)} doors: {seen_public}"
+    assert derived != {RENDEZVOUS_APPID}, derived

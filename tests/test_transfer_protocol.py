@@ -65,6 +65,28 @@ def test_offer_and_accept_round_trip() -> None:
     assert decode_session_message(b'{"offer": {}}')[0] == "other"
 
 
+def test_private_doors_only_when_both_ends_say_so() -> None:
+    """The offer says "doors": "secret-appid"; the answer agrees only to an offer that
+    said it; a peer that says nothing (an older spark-dilation) keeps the public appid."""
+    from spark_dilation.transfer.rules.directory import rendezvous_appid
+    from spark_dilation.transfer.rules.protocol import DOORS_PRIVATE, RENDEZVOUS_APPID
+
+    body = json.loads(Offer("abc", table().schema).encode())["dataset-offer"]
+    assert body["doors"] == DOORS_PRIVATE
+    assert decode_session_message(json.dumps({"dataset-offer": body}).encode())[1].private_doors
+    del body["doors"]  # an older sender
+    assert not decode_session_message(json.dumps({"dataset-offer": body}).encode())[1].private_doors
+    agreed = json.loads(Accept(2, (), True).encode())["dataset-accept"]
+    assert agreed["doors"] == DOORS_PRIVATE and Accept.decode(agreed).private_doors
+    assert "doors" not in json.loads(Accept(2).encode())["dataset-accept"]
+    assert not Accept.decode({"lanes": 2, "rendezvous": 2}).private_doors  # an older receiver
+    # The appids: public without agreement; per secret with it, never the public one.
+    assert rendezvous_appid(b"a" * 32, False) == rendezvous_appid(b"b" * 32, False)
+    assert rendezvous_appid(b"a" * 32, False) == RENDEZVOUS_APPID
+    mine, theirs = rendezvous_appid(b"a" * 32, True), rendezvous_appid(b"b" * 32, True)
+    assert mine != theirs and mine.startswith(RENDEZVOUS_APPID + "/") and len(mine) > 40
+
+
 def test_a_peer_whose_workers_probe_shared_slots_is_refused_in_one_line() -> None:
     """Rendezvous 1 (slots) and 2 (introduction) cannot meet: both sides say so."""
     offer = json.loads(Offer("abc", table().schema).encode())

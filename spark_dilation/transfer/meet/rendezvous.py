@@ -38,9 +38,10 @@ from ..rules.directory import (
     directory_code,
     end_message,
     lanes_message,
+    rendezvous_appid,
 )
 from ..rules.errors import ProtocolError
-from ..rules.protocol import PROTOCOL, RENDEZVOUS_APPID, ROLE_LANE, ROLE_SENDER, VERSION, Abort
+from ..rules.protocol import PROTOCOL, ROLE_LANE, ROLE_SENDER, VERSION, Abort
 from ..rules.spec import TransferSpec
 
 log = logging.getLogger(__name__)
@@ -120,8 +121,8 @@ def meet(
 
     def start() -> tuple[Any, Any]:
         w = Wormhole(
-            RENDEZVOUS_APPID, spec.options.mailbox_url, reactor, app_versions=versions,
-            dilation=True, connect_tries=None,
+            rendezvous_appid(spec.secret, spec.private_doors), spec.options.mailbox_url,
+            reactor, app_versions=versions, dilation=True, connect_tries=None,
         )  # fmt: skip
         w.set_code(code)
         return w, crochet.EventualResult(w.get_versions(), reactor)

@@ -193,7 +193,7 @@ class SenderSession:
                     await w.close()
                 raise
             await w.close()
-            return _spec(offer, secret, body.lanes, self.options, body.formats)
+            return _spec(offer, secret, body.lanes, self.options, body.formats, body.private_doors)
 
         return _wait(
             lambda: defer.ensureDeferred(run()),
@@ -213,6 +213,7 @@ def _spec(
     lanes: int,
     options: TransferOptions,
     formats: tuple[str, ...] = (),
+    private_doors: bool = False,
 ) -> TransferSpec:
     return TransferSpec(
         offer.transfer_id,
@@ -223,6 +224,7 @@ def _spec(
         options,
         total_rows=offer.rows,
         formats=formats,
+        private_doors=private_doors,
     )
 
 
@@ -280,8 +282,10 @@ async def accept_offer(
         w.send_message(error_message(reason))
         raise TransferError(reason)
     # Our lanes decode every partition format (transfer/lane.py).
-    w.send_message(Accept(options.lanes, RECEIVER_FORMATS).encode())
-    return _spec(offer, transfer_secret(w.derive_key), options.lanes, options, RECEIVER_FORMATS)
+    private = offer.private_doors  # the sender offered it; we take it
+    w.send_message(Accept(options.lanes, RECEIVER_FORMATS, private).encode())
+    secret = transfer_secret(w.derive_key)
+    return _spec(offer, secret, options.lanes, options, RECEIVER_FORMATS, private)
 
 
 def receive_session(

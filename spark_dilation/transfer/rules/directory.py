@@ -59,7 +59,7 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import Any
 
-from .protocol import NAMEPLATE_DIGITS
+from .protocol import NAMEPLATE_DIGITS, RENDEZVOUS_APPID
 
 SENDERS = "senders"
 LANES = "lanes"
@@ -76,6 +76,17 @@ def derived_code(secret: bytes, info: str) -> str:
     nameplate = str(number % 10**NAMEPLATE_DIGITS).rjust(NAMEPLATE_DIGITS, "1")
     password = derive_key(secret, raw + b" password", 16).hex()
     return f"{nameplate}-{password}"
+
+
+def rendezvous_appid(secret: bytes, private: bool) -> str:
+    """The appid of a transfer's doors and directory link: with ``private`` (both ends
+    agreed, protocol.DOORS_PRIVATE) one derived from the secret, so that a server's
+    ``list`` of an appid anyone else can name shows none of them; else the public one."""
+    if not private:
+        return RENDEZVOUS_APPID
+    from ...wormhole.keys import derive_key  # lazy, as in derived_code
+
+    return f"{RENDEZVOUS_APPID}/{derive_key(secret, b'spark-dilation doors appid', 16).hex()}"
 
 
 def directory_code(secret: bytes) -> str:
@@ -297,5 +308,6 @@ __all__ = [
     "door_code",
     "end_message",
     "lanes_message",
+    "rendezvous_appid",
     "senders_message",
 ]

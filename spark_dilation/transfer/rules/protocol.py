@@ -79,6 +79,11 @@ def session_role(versions: dict[str, Any]) -> str | None:
 # live in their own appid, so their nameplates never collide with codes people
 # type. v2: meeting by introduction (v1 walked shared slots).
 RENDEZVOUS_APPID = "spark-dilation.org/dataset-rendezvous/v2"
+# Both ends agree (the offer's and the answer's "doors") to meet in an appid derived
+# from the transfer secret (rendezvous_appid): a server's `list` of any appid a
+# stranger can name then shows none of the transfer's doors. A peer that does not
+# say it keeps the public appid above.
+DOORS_PRIVATE = "secret-appid"
 PARTITION_SUBPROTOCOL = "spark-dilation/partition/v1"
 CONTROL_SUBPROTOCOL = "spark-dilation/control/v1"
 SECRET_PURPOSE = "spark-dilation/transfer-secret/v1"
@@ -137,6 +142,7 @@ class Offer:
     # sizes, a table's nbytes). The receiver refuses an offer its disk cannot hold.
     rows: int | None = None
     bytes: int | None = None
+    private_doors: bool = True  # offers DOORS_PRIVATE (optional on the wire)
 
     def encode(self) -> bytes:
         body: dict[str, Any] = {
@@ -147,6 +153,8 @@ class Offer:
             "source": self.source,
             "rendezvous": RENDEZVOUS,
         }
+        if self.private_doors:
+            body["doors"] = DOORS_PRIVATE
         if self.compression == AUTO:
             # Optional: receivers that know it report "auto"; older ones see
             # "zstd" and decode whatever each partition chose (Arrow IPC says).
@@ -184,6 +192,7 @@ class Offer:
                 source=str(body.get("source", "python")),
                 rows=_optional_count(body.get("rows")),
                 bytes=_optional_count(body.get("bytes")),
+                private_doors=body.get("doors") == DOORS_PRIVATE,
             )
         except (KeyError, TypeError, ValueError, pa.ArrowException) as e:
             raise ProtocolError(f"the sender's dataset offer is malformed: {e}") from e
@@ -213,11 +222,14 @@ class Accept:
 
     lanes: int
     formats: tuple[str, ...] = ()
+    private_doors: bool = False  # agrees to DOORS_PRIVATE (only if the offer had it)
 
     def encode(self) -> bytes:
         body: dict[str, Any] = {"lanes": self.lanes, "rendezvous": RENDEZVOUS}
         if self.formats:
             body["formats"] = list(self.formats)
+        if self.private_doors:
+            body["doors"] = DOORS_PRIVATE
         return json.dumps({"dataset-accept": body}).encode()
 
     @classmethod
@@ -231,7 +243,7 @@ class Accept:
         _check_rendezvous(body, "receiver")
         formats = body.get("formats")
         known = tuple(f for f in formats if isinstance(f, str)) if isinstance(formats, list) else ()
-        return cls(lanes, known)
+        return cls(lanes, known, body.get("doors") == DOORS_PRIVATE)
 
 
 def decode_session_message(data: bytes) -> tuple[str, Any]:

@@ -38,6 +38,9 @@ class TransferSpec:
     # The writing end's sender hub (addresses, port) for the writing cluster's
     # other sending processes (transfer/hub.py); None where one process sends.
     hub: tuple[tuple[str, ...], int] | None = None
+    # Both ends agreed to meet in an appid derived from the secret (protocol.DOORS_PRIVATE);
+    # False: the public RENDEZVOUS_APPID (a peer that did not say it).
+    private_doors: bool = False
 
     def with_hub(self, addresses: tuple[str, ...], port: int) -> TransferSpec:
         return replace(self, hub=(tuple(addresses), port))
