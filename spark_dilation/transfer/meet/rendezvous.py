@@ -461,11 +461,11 @@ class SenderView:
         """The door for a new connection to ``lane``, once its epoch is known (blocking)."""
         with self._cond:
             while True:
+                if self._state.ended:  # first: an ended transfer hands out no attempt
+                    raise TransferError(f"{what}: {self._state.ended}")
                 door = self._doors.want(lane)
                 if door is not None:
                     return door
-                if self._state.ended:
-                    raise TransferError(f"{what}: {self._state.ended}")
                 if cancelled():
                     raise RendezvousCancelled(f"stopped waiting for {what}")
                 if time.monotonic() >= deadline:

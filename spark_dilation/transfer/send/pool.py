@@ -214,7 +214,9 @@ class ConnectionPool:
                 door = view.door(lane, float("inf"), stopped, what)
 
                 def stale(door: Door = door) -> bool:
-                    return stopped() or view.epoch(lane) != door.epoch
+                    # The writing end's end too (its hub gone, the reading end's abort): a
+                    # meeting of a reused Spark worker must not keep its claim for life.
+                    return stopped() or view.epoch(lane) != door.epoch or bool(view.ended)
 
                 try:
                     w = meet(

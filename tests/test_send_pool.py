@@ -1,0 +1,60 @@
+"""The sender pool's meetings against the directory's news (no processes, no server:
+``meet`` is replaced by one that waits for its cancel, as the real one does)."""
+
+from __future__ import annotations
+
+import threading
+import time
+from typing import Any
+
+import pytest
+
+from spark_dilation.errors import TransferError
+from spark_dilation.transfer.meet import rendezvous
+from spark_dilation.transfer.meet.rendezvous import RendezvousCancelled, SenderView
+from spark_dilation.transfer.rules.options import TransferOptions
+from spark_dilation.transfer.rules.spec import TransferSpec
+from spark_dilation.transfer.send import pool as pool_module
+from spark_dilation.transfer.send.pool import ConnectionPool
+
+
+def test_a_stuck_meeting_ends_with_the_writing_ends_end(monkeypatch: pytest.MonkeyPatch) -> None:
+    """A meeting waits at its door for a lane host that never comes; the writing end's
+    end reaches this process's view (its hub went away). The meeting gives its claim up
+    and the caller fails with that end, not at ``lane_start_timeout`` with "never
+    hosted": a reused Spark worker keeps no claim for its whole life."""
+    spec = TransferSpec("ef" * 16, b"p" * 32, 1, b"", "none", TransferOptions())
+    view = SenderView(spec.transfer_id, sender=0)
+    view.update({"lanes": {"0": 0}})
+    rendezvous.register_view(view)
+    waiting = threading.Event()
+
+    def meet(*args: Any, cancelled: Any, what: str, **kwargs: Any) -> Any:
+        waiting.set()
+        while not cancelled():  # the real meet() polls its cancel the same way
+            time.sleep(0.05)
+        raise RendezvousCancelled(f"stopped waiting for {what}")
+
+    monkeypatch.setattr(pool_module, "meet", meet)
+    outcome: dict[str, Any] = {}
+
+    def get() -> None:
+        started = time.monotonic()
+        try:
+            ConnectionPool().get(spec, 0, deadline=started + 3600)  # lane_start_timeout: never
+        except BaseException as e:
+            outcome["error"] = e
+        outcome["took"] = time.monotonic() - started
+
+    caller = threading.Thread(target=get, daemon=True)
+    try:
+        caller.start()
+        assert waiting.wait(10), "the meeting never reached its door"
+        view.update({"end": "the writing application's sender host went away"})
+        caller.join(30)  # a guard: before the fix it waited for its hour
+        assert not caller.is_alive(), "the caller still waits at the door"
+        error = outcome["error"]
+        assert isinstance(error, TransferError), error
+        assert "the writing application's sender host went away" in str(error), error
+    finally:
+        rendezvous.forget(spec.transfer_id)
