@@ -63,6 +63,7 @@ INTEGRATION_MODULES = frozenset(
         "test_demo",
         "test_dilation_interop",
         "test_dilation_redial",
+        "test_flaky_mailbox",
         "test_multimachine",
         "test_netcluster",
         "test_notebook_api",

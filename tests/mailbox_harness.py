@@ -193,8 +193,10 @@ class Harness:
         self.clock.advance(1_000_000)  # a plausible epoch; only differences matter
         self.tick = tick
         self.rng = random.Random(seed)  # the server's nameplate allocation
+        self.motd = motd
         self.db = database.create_channel_db(":memory:")
         self.server = server.make_server(self.db, welcome_motd=motd, blur_usage=60)
+        self.restarts = 0
         self.clients: list[Client] = []
         self.held: set[Client] = set()
         self.steps = 0
@@ -244,6 +246,22 @@ class Harness:
 
     def release(self, *clients: Client) -> None:
         self.held.difference_update(clients)
+
+    def restart(self, *, keep_db: bool) -> None:
+        """The server process dies and starts again: every connection drops at once (no
+        ``onClose`` runs on the dead server), frames in flight are lost, and the new
+        server has the old channel database (``keep_db``) or an empty one (the default
+        of a server on ``:memory:``). Clients stay disconnected until they ``connect``."""
+        for c in self.clients:
+            proto, c.proto = c.proto, None
+            c.up.clear()
+            c.down.clear()
+            if proto is not None and c.core is not None:
+                c.feed(c.core.connection_lost())
+        if not keep_db:
+            self.db = database.create_channel_db(":memory:")
+        self.server = server.make_server(self.db, welcome_motd=self.motd, blur_usage=60)
+        self.restarts += 1
 
     # --- the router ----------------------------------------------------------------
 

@@ -17,6 +17,7 @@ import socket
 import subprocess
 import sys
 import threading
+import time
 from dataclasses import replace
 from pathlib import Path
 from typing import Any
@@ -196,6 +197,53 @@ async def test_serve_keeps_its_mailboxes_across_a_restart(tmp_path: Path) -> Non
                 with contextlib.suppress(Exception):
                     await w.close()
         await threads.deferToThread(_stop, server)
+
+
+def test_a_lonely_door_meets_its_sender_after_a_restart_that_lost_everything(
+    tmp_path: Path,
+) -> None:
+    """The lane waits alone at its door (``meet``, the Twisted client); the server
+    restarts on an in-memory database, forgetting the door; the sender comes after:
+    they pair, since the lane's wormhole claims its door again on its reconnect (the
+    re-claim rule). Before the rule the lane reopened a mailbox no one else would open,
+    and both waited until their deadline."""
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    url = f"ws://127.0.0.1:{port}/v1"
+    server = _serve(tmp_path, port, "--channel-db", ":memory:")
+    spec = _spec(url)
+    door = Door(lane=0, epoch=0, sender=0, attempt=0)
+    lane: dict[str, Any] = {}
+
+    def lane_side() -> None:
+        try:
+            lane["w"] = meet(
+                spec, door.code(spec.secret), ROLE_LANE, door,
+                deadline=time.monotonic() + 90, started=lambda w: lane.update(started=w),
+            )  # fmt: skip
+        except BaseException as e:
+            lane["error"] = e
+
+    thread = threading.Thread(target=lane_side, daemon=True)
+    thread.start()
+    try:
+        wait_until(
+            "the lane's claim to land", lambda: "started" in lane and lane["started"]._core.mailbox,
+            30, interval=0.05, stop_if=lambda: lane.get("error"),
+        )  # fmt: skip
+        _stop(server)
+        server = _serve(tmp_path, port, "--channel-db", ":memory:")
+        w = meet(spec, door.code(spec.secret), ROLE_SENDER, door, deadline=time.monotonic() + 60)
+        thread.join(60)
+        assert "error" not in lane, lane
+        assert lane["w"].server_lost_state, "the lane's re-claim did not see the lost state"
+        assert not w.server_lost_state
+        close_wormhole(w)
+        close_wormhole(lane["w"])
+    finally:
+        _stop(server)
+        thread.join(5)
 
 
 # --- strangers cannot list our doors -----------------------------------------------------

@@ -255,6 +255,12 @@ class Wormhole:
     def side(self) -> str:
         return self._core.side
 
+    @property
+    def server_lost_state(self) -> bool:
+        """Our lonely claim, made again after a reconnect, found a new mailbox: the
+        server restarted without its database (see ``core.py``, the re-claim rule)."""
+        return self._core.server_lost_state
+
     def get_welcome(self) -> defer.Deferred:
         """The server's welcome dict (``motd`` etc.)."""
         return self._welcome.when()

@@ -46,6 +46,14 @@ Deliberate difference from the reference (the "ghost" rule):
   releases at once and ignores the late ``claimed``, ``_nameplate.py:190``
   and ``:202``: the peer then waits for a PAKE that never comes, and our side
   of the mailbox stays open until the server prunes it.)
+
+The re-claim rule (also ours): a claim whose peer has not been seen is sent
+again on every reconnect. A server that kept its database answers with the
+same mailbox (the server accepts a claim again from a side that has not
+released). A server restarted without it (``:memory:``) makes the nameplate
+anew with a new mailbox; the core then moves there and adds its PAKE again,
+so the peer's later claim meets it (``server_lost_state`` says it happened).
+Once the peer has been seen a reconnect sends no claim: the pairing is made.
 """
 
 from __future__ import annotations
@@ -253,6 +261,11 @@ class WormholeCore:
         self._release_sent = False  # "release" sent on the current connection
         self._mailbox_closed = False
         self._pending: dict[str, bytes] = {}  # phase -> encrypted body, until echoed
+        # Every phase we added before the peer was seen (our PAKE, at most our version):
+        # a re-claim that lands in a new mailbox adds them there again.
+        self._lonely_adds: dict[str, bytes] = {}
+        self.server_lost_state = False
+        """A re-claim found our nameplate on a new mailbox: the server lost its state."""
 
         self._pake: Pake | None = None
         self._key: bytes | None = None
@@ -313,11 +326,17 @@ class WormholeCore:
             self._tx("allocate")
         if self._want_list:
             self._tx("list")
+        if self._claim == "claimed" and self.their_side is None:
+            # The re-claim rule: a lonely claim is claimed again on every reconnect,
+            # since a server restarted without its database forgot the nameplate
+            # and would give the peer's claim a new mailbox. A server that kept it
+            # answers with our mailbox, as the first time.
+            self._claim = "claiming"
         if self._claim == "claiming":
-            self._send_claim()
+            self._send_claim()  # "open" follows its answer
         elif self._claim == "releasing":
             self._send_release()
-        if self.mailbox is not None:
+        if self.mailbox is not None and self._claim != "claiming":
             self._open_mailbox()
         return self._flush()
 
@@ -443,6 +462,15 @@ class WormholeCore:
         self._claim = "claimed"
         if self.mailbox is None:
             self.mailbox = msg["mailbox"]
+        elif msg["mailbox"] != self.mailbox and self.their_side is None and not self.closing:
+            log.info(
+                "the mailbox server lost nameplate %s (restarted without its database?):"
+                " claimed it again, on mailbox %s", self._nameplate, msg["mailbox"],
+            )  # fmt: skip
+            self.server_lost_state = True
+            self.mailbox = msg["mailbox"]
+            self._mailbox_closed = False
+            self._pending.update(self._lonely_adds)
         if not self._mailbox_open:
             self._open_mailbox()  # sends the pending adds, our PAKE among them
         if self.closing:
@@ -557,6 +585,8 @@ class WormholeCore:
 
     def _add(self, phase: str, body: bytes) -> None:
         self._pending[phase] = body
+        if self.their_side is None:
+            self._lonely_adds[phase] = body
         if self._mailbox_open:
             self._tx("add", phase=phase, body=body.hex())
 

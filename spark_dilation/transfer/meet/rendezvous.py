@@ -141,7 +141,7 @@ def meet(
                     raise RendezvousCancelled(f"stopped waiting for {what}") from None
                 if deadline is not None and time.monotonic() >= deadline:
                     raise unreachable(w, spec) or RendezvousTimeout(
-                        f"{what} did not come in time"
+                        f"{what} did not come in time" + lost_state(w)
                     ) from None
     except BaseException as e:
         claim(waiter)  # its error (the close below) is ours to drop, not crochet's to log
@@ -164,6 +164,16 @@ def unreachable(w: Any, spec: TransferSpec) -> ServerConnectionError | None:
     return ServerConnectionError(
         spec.options.mailbox_url, f"{problem} (tried {w.failed_tries} times, still trying)"
     )
+
+
+def lost_state(w: Any) -> str:
+    """What a timed-out meeting adds when the server forgot its claim meanwhile."""
+    if getattr(w, "server_lost_state", False):
+        return (
+            "; the mailbox server lost its state meanwhile (restarted without its"
+            " database), which strands a meeting that was under way at the restart"
+        )
+    return ""
 
 
 def close_wormhole(w: Any) -> None:
