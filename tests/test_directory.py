@@ -118,6 +118,31 @@ def test_the_end_is_kept_once_set_whatever_the_order() -> None:
     assert plain.abort is None
 
 
+def test_a_lanes_end_holds_until_a_new_host_takes_it_over_in_any_order() -> None:
+    """``lanes_ended`` (the reading end's half): a lane ended at epoch e is ended while
+    its epoch is e (or unknown: never hosted); a later epoch (a new host) outranks it,
+    whatever order the messages come in; garbage is refused."""
+    ended_at_1 = lanes_message({0: 1, 1: 0}, {0: (1, "lane 0: disk full")})
+    rehosted = lanes_message({0: 2, 1: 0})
+    never_hosted = lanes_message({}, {3: (0, "lane 3: no read task ran it")})
+    for order in ([ended_at_1, rehosted], [rehosted, ended_at_1]):
+        state = DirectoryState()
+        for m in order:
+            state.merge(m)
+        assert state.lane_ended(0) == ""  # epoch 2 came after the end at 1
+        assert state.lane_ended(1) == ""
+    state = DirectoryState()
+    state.merge(ended_at_1)
+    state.merge(ended_at_1)
+    assert state.lane_ended(0) == "lane 0: disk full" and state.lane_ended(1) == ""
+    state.merge(never_hosted)
+    assert state.lane_ended(3) == "lane 3: no read task ran it"
+    assert lanes_message({0: 0}) == {"lanes": {"0": 0}}  # no key when nothing ended
+    for bad in ({"lanes_ended": {"0": "x"}}, {"lanes_ended": {"0": {"epoch": -1}}}):
+        with pytest.raises(ValueError):
+            DirectoryState().merge(bad)
+
+
 def test_lane_doors_follow_the_lane_table() -> None:
     doors = LaneDoors(lane=1, epoch=2)
     assert doors.learn({0, 1}) == [Door(1, 2, 0, 0), Door(1, 2, 1, 0)]

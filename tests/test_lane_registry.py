@@ -119,6 +119,7 @@ def test_a_lanes_own_failure_wins_over_the_abort_in_either_order() -> None:
             reg.failed(0, host("h0"), abort)
             assert reg.own_failure(1, host("h1"), full) == full
         assert [reg.lanes[lane].error for lane in range(3)] == [full] * 3, order
+        assert reg.ended() == {lane: (0, full["message"]) for lane in range(3)}, order
         assert reg.claim(2, host("h9"), complete=False) == {"do": "error", "error": full}
     # A later lane's own failure does not replace the first.
     reg = LaneRegistry(2)
@@ -170,6 +171,10 @@ def test_registry_fails_a_lane_it_cannot_host() -> None:
     assert reg.unclaimed(now=10 * step, grace=5.0) == []
     error = reg.claim(1, host("b"), complete=False, now=10 * step)["error"]
     assert "did not start (3 tries): its receiver process exited with code 1" in error["message"]
+    # What the reading end publishes: the lane ended for good, never hosted (epoch 0), so
+    # its senders fail with this error instead of waiting for a host (directory.py).
+    ((lane, (epoch, why)),) = reg.ended().items()
+    assert (lane, epoch) == (1, 0) and why == error["message"]
     # A read task that claimed the lane while the registry tried keeps it.
     reg2 = LaneRegistry(2)
     reg2.claim(0, host("a"), complete=False, now=0.0)

@@ -18,11 +18,9 @@ from spark_dilation.transfer.send import pool as pool_module
 from spark_dilation.transfer.send.pool import ConnectionPool
 
 
-def test_a_stuck_meeting_ends_with_the_writing_ends_end(monkeypatch: pytest.MonkeyPatch) -> None:
-    """A meeting waits at its door for a lane host that never comes; the writing end's
-    end reaches this process's view (its hub went away). The meeting gives its claim up
-    and the caller fails with that end, not at ``lane_start_timeout`` with "never
-    hosted": a reused Spark worker keeps no claim for its whole life."""
+def _stuck_meeting(monkeypatch: pytest.MonkeyPatch, news: dict[str, Any], expected: str) -> None:
+    """A meeting waits at lane 0's door (epoch 0) for a host that never comes; ``news``
+    reaches this process's view; the caller must fail at once, naming ``expected``."""
     spec = TransferSpec("ef" * 16, b"p" * 32, 1, b"", "none", TransferOptions())
     view = SenderView(spec.transfer_id, sender=0)
     view.update({"lanes": {"0": 0}})
@@ -39,22 +37,42 @@ def test_a_stuck_meeting_ends_with_the_writing_ends_end(monkeypatch: pytest.Monk
     outcome: dict[str, Any] = {}
 
     def get() -> None:
-        started = time.monotonic()
         try:
-            ConnectionPool().get(spec, 0, deadline=started + 3600)  # lane_start_timeout: never
+            ConnectionPool().get(spec, 0, deadline=time.monotonic() + 3600)  # never, here
         except BaseException as e:
             outcome["error"] = e
-        outcome["took"] = time.monotonic() - started
 
     caller = threading.Thread(target=get, daemon=True)
     try:
         caller.start()
         assert waiting.wait(10), "the meeting never reached its door"
-        view.update({"end": "the writing application's sender host went away"})
+        view.update(news)
         caller.join(30)  # a guard: before the fix it waited for its hour
         assert not caller.is_alive(), "the caller still waits at the door"
         error = outcome["error"]
         assert isinstance(error, TransferError), error
-        assert "the writing application's sender host went away" in str(error), error
+        assert expected in str(error), error
     finally:
         rendezvous.forget(spec.transfer_id)
+
+
+def test_a_meeting_at_a_lane_that_ended_for_good_fails_with_the_lanes_error(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """The reading end says lane 0 ended for good at epoch 0 (the registry failed it: no
+    new host will come): the meeting at its door gives its claim up and the caller fails
+    with the lane's error, not at ``lane_start_timeout`` with "never hosted"."""
+    news = {
+        "lanes": {"0": 0},
+        "lanes_ended": {"0": {"epoch": 0, "error": "lane 0: its staging disk is full"}},
+    }
+    _stuck_meeting(monkeypatch, news, "lane 0 ended on the receiver, with no new host: lane 0:")
+
+
+def test_a_stuck_meeting_ends_with_the_writing_ends_end(monkeypatch: pytest.MonkeyPatch) -> None:
+    """A meeting waits at its door for a lane host that never comes; the writing end's
+    end reaches this process's view (its hub went away). The meeting gives its claim up
+    and the caller fails with that end, not at ``lane_start_timeout`` with "never
+    hosted": a reused Spark worker keeps no claim for its whole life."""
+    end = "the writing application's sender host went away"
+    _stuck_meeting(monkeypatch, {"end": end}, end)

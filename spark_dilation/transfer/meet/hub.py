@@ -48,6 +48,7 @@ from ..link import (
 from ..rules.directory import (
     END,
     LANES,
+    LANES_ENDED,
     DirectoryState,
     SenderIds,
     abort_message,
@@ -128,7 +129,7 @@ class SenderHub:
         self.link.send(half)
 
     def _news(self) -> dict[str, Any]:
-        message = lanes_message(self._state.epochs)
+        message = lanes_message(self._state.epochs, self._state.lanes_ended)
         if self._state.ended:
             message[END] = self._state.ended
         return message
@@ -141,7 +142,7 @@ class SenderHub:
             clients = list(self._clients)
             heard = told is None and self._state.abort is not None
         self.view.update(message)
-        if risen or message.get(END):
+        if risen or message.get(END) or message.get(LANES_ENDED):
             for client in clients:
                 with contextlib.suppress(LinkError):
                     client.send_json(news)

@@ -416,9 +416,12 @@ class ReadingEnd:
     def senders(self) -> set[int]:
         return set(self._state.senders)
 
-    def publish(self, epochs: dict[int, int]) -> None:
-        """Tell the writing end every hosted lane's current epoch."""
-        self._send(lanes_message(epochs))
+    def publish(
+        self, epochs: dict[int, int], ended: dict[int, tuple[int, str]] | None = None
+    ) -> None:
+        """Tell the writing end every hosted lane's current epoch, and the lanes that ended
+        for good (lane -> (epoch, error)): their senders fail with that error at once."""
+        self._send(lanes_message(epochs, ended))
 
     def close(self) -> None:
         self.ended.set()
@@ -473,6 +476,8 @@ class SenderView:
             while True:
                 if self._state.ended:  # first: an ended transfer hands out no attempt
                     raise TransferError(f"{what}: {self._state.ended}")
+                if why := self._state.lane_ended(lane):
+                    raise TransferError(f"{what} ended on the receiver, with no new host: {why}")
                 door = self._doors.want(lane)
                 if door is not None:
                     return door
@@ -485,6 +490,11 @@ class SenderView:
     def epoch(self, lane: int) -> int | None:
         with self._cond:
             return self._doors.epoch(lane)
+
+    def lane_ended(self, lane: int) -> str:
+        """The error of ``lane`` if the reading end said it ended for good, else ""."""
+        with self._cond:
+            return self._state.lane_ended(lane)
 
     def paired(self, door: Door) -> bool:
         with self._cond:

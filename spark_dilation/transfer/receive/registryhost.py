@@ -102,6 +102,7 @@ class RegistryHost:
         self.reported = False
         self.reading: Any = None  # the directory's reading end, from run()
         self.aborted: dict[str, Any] | None = None  # the writing end's abort, once heard
+        self.published_ended: dict[int, tuple[int, str]] = {}
 
     def run(self, ready_path: Path) -> int:
         port = self.server.getsockname()[1]
@@ -148,6 +149,15 @@ class RegistryHost:
             with contextlib.suppress(LinkError):
                 link.send_json(message)
 
+    def _publish_ended(self) -> None:
+        """Lanes newly failed for good: the writing end hears it (under ``lock``), so that
+        their senders fail with the lane's error, not "never hosted"."""
+        ended = self.registry.ended()
+        if ended != self.published_ended and self.reading is not None:
+            self.published_ended = ended
+            log.info("lanes ended for good: %s", ended)
+            self.reading.publish(self.registry.epochs(), ended)
+
     def _received(self, message: dict[str, Any]) -> None:
         """Log the receive report once every lane has reported what it received."""
         if "connections" not in message:
@@ -182,6 +192,7 @@ class RegistryHost:
             log.warning("lane %d: could not start it here: %s", lane, e)
             with self.lock:
                 self.registry.hosting_failed(lane, str(e), time.monotonic())
+                self._publish_ended()
 
     def _serve(self, sock: socket.socket) -> None:
         link = BoxLink(sock, registry_key(self.spec))
@@ -206,7 +217,7 @@ class RegistryHost:
                         )
                         link.send_json(answer)
                         if answer["do"] == "receive":
-                            self.reading.publish(self.registry.epochs())
+                            self.reading.publish(self.registry.epochs(), self.registry.ended())
                             senders = sorted(self.reading.senders)
                             if senders:
                                 link.send_json({"senders": senders})
@@ -224,6 +235,7 @@ class RegistryHost:
                             self.registry.own_failure(int(message["cause"]), host, message["own"])
                         link.send_json({"cause": self.registry.cause})
                     log.info("%s: %s", message, self.registry.snapshot())
+                    self._publish_ended()
         except (LinkError, ValueError, KeyError) as e:
             if not self.stopping.is_set():
                 log.info("lane host %s left: %s", host.machine if host else "?", e)
@@ -235,6 +247,7 @@ class RegistryHost:
                 if host is not None and not self.stopping.is_set():
                     self.registry.gone(host.host_id, time.monotonic())
                     log.info("after %s left: %s", host.machine, self.registry.snapshot())
+                    self._publish_ended()
 
 
 def start_registry_host(spec: TransferSpec, owner: int | None = None) -> TransferSpec:

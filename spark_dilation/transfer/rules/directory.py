@@ -35,6 +35,8 @@ are two connections)::
     paired                                  dilate
     the caller's deadline passes            the caller fails; the claim stays until it
                                             pairs (the lane waits on exactly this door)
+    lane l ended at epoch e, no new host    the connection fails at once with the lane's
+                                            error (the claim is closed: nobody will come)
     epoch e' > e pushed                     claims and connections at e are stale: close
                                             them; new connections claim (l, e', s, 0...)
 
@@ -45,6 +47,13 @@ Lane side, per (lane host of epoch e, sender s)::
     (none)      sender s known                OPEN(a=0)   claim door (l, e, s, 0)
     OPEN(a)     paired                        OPEN(a+1)   keep the connection; claim a + 1
     OPEN(a)     lane finished                 (none)      close (releases the claim)
+
+A lane can end for good with no new epoch (the registry failed it: its host's
+own failure, every hosting attempt failed, the sender's abort): the reading end
+adds it to its half (``lanes_ended``, lane -> its last epoch and its error), so
+a sender waiting at the lane's door, or about to claim one, fails at once with
+that error instead of waiting out ``lane_start_timeout`` ("never hosted"). A
+later epoch of the lane (a new host) outranks an end at an older one.
 
 The end of a transfer also travels here: a writing end that aborts adds
 ``abort`` to its half (:func:`abort_message`), which reaches the reading end
@@ -65,6 +74,7 @@ SENDERS = "senders"
 LANES = "lanes"
 END = "end"
 ABORT = "abort"
+LANES_ENDED = "lanes_ended"
 
 
 def derived_code(secret: bytes, info: str) -> str:
@@ -151,6 +161,8 @@ class DirectoryState:
     senders: set[int] = field(default_factory=set)
     epochs: dict[int, int] = field(default_factory=dict)
     ended: str = ""
+    # Lanes that ended for good (the reading end's half): lane -> (its epoch then, error).
+    lanes_ended: dict[int, tuple[int, str]] = field(default_factory=dict)
     # The writing end's abort ({"reason", "cancelled"}, :class:`.protocol.Abort`'s body):
     # the end of the transfer on a path no data is queued on.
     abort: dict[str, Any] | None = None
@@ -173,11 +185,25 @@ class DirectoryState:
             if epoch > self.epochs.get(lane, -1):
                 self.epochs[lane] = epoch
                 risen[lane] = epoch
+        for lane, body in (message.get(LANES_ENDED) or {}).items():
+            lane = _non_negative(lane, "lane")
+            if not isinstance(body, dict):
+                raise ValueError(f"directory: the end of lane {lane} is not an object")
+            epoch = _non_negative(body.get("epoch"), "epoch")
+            if epoch > self.lanes_ended.get(lane, (-1, ""))[0]:
+                self.lanes_ended[lane] = (epoch, str(body.get("error") or "it ended"))
         if message.get(END) and not self.ended:
             self.ended = str(message[END])
         if isinstance(message.get(ABORT), dict) and self.abort is None:
             self.abort = dict(message[ABORT])
         return new_senders, risen
+
+    def lane_ended(self, lane: int) -> str:
+        """The error of ``lane`` if it ended for good at its latest epoch, else ""."""
+        epoch, error = self.lanes_ended.get(lane, (-1, ""))
+        if epoch < 0 or epoch < self.epochs.get(lane, -1):
+            return ""  # never ended, or a new host took it over since
+        return error
 
 
 def senders_message(senders: list[int] | set[int]) -> dict[str, Any]:
@@ -185,9 +211,18 @@ def senders_message(senders: list[int] | set[int]) -> dict[str, Any]:
     return {SENDERS: sorted(senders)}
 
 
-def lanes_message(epochs: dict[int, int]) -> dict[str, Any]:
-    """The reading end's half: the current epoch of every hosted lane."""
-    return {LANES: {str(lane): epoch for lane, epoch in sorted(epochs.items())}}
+def lanes_message(
+    epochs: dict[int, int], ended: dict[int, tuple[int, str]] | None = None
+) -> dict[str, Any]:
+    """The reading end's half: the current epoch of every hosted lane, and the lanes that
+    ended for good (lane -> (epoch, error); a lane never hosted ends at epoch 0)."""
+    message: dict[str, Any] = {LANES: {str(lane): epoch for lane, epoch in sorted(epochs.items())}}
+    if ended:
+        message[LANES_ENDED] = {
+            str(lane): {"epoch": epoch, "error": error}
+            for lane, (epoch, error) in sorted(ended.items())
+        }
+    return message
 
 
 def end_message(reason: str) -> dict[str, Any]:

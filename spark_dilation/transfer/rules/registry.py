@@ -270,6 +270,16 @@ class LaneRegistry:
                     _move(entry, PlacedEvent.LAST_REPLICA_GONE)
                     entry.error = cannot_heal_record(lane, entry.lost, entry.deleted)
 
+    def ended(self) -> dict[int, tuple[int, str]]:
+        """Lanes that failed for good (FAILED is final: no host will take them again), with
+        the epoch they ended at (0 if never received) and their error: what the reading end
+        publishes so that their senders fail at once (``directory.lanes_message``)."""
+        return {
+            lane: (max(e.epoch, 0), (e.error or {}).get("message") or "the lane failed")
+            for lane, e in enumerate(self.lanes)
+            if e.state == FAILED
+        }
+
     def epochs(self) -> dict[int, int]:
         """The epoch of every lane ever received: what the reading end publishes."""
         return {lane: e.epoch for lane, e in enumerate(self.lanes) if e.epoch >= 0}

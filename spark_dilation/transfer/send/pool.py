@@ -216,7 +216,12 @@ class ConnectionPool:
                 def stale(door: Door = door) -> bool:
                     # The writing end's end too (its hub gone, the reading end's abort): a
                     # meeting of a reused Spark worker must not keep its claim for life.
-                    return stopped() or view.epoch(lane) != door.epoch or bool(view.ended)
+                    # So does the lane's end for good: nobody will come to its door.
+                    return (
+                        stopped()
+                        or view.epoch(lane) != door.epoch
+                        or bool(view.ended or view.lane_ended(lane))
+                    )
 
                 try:
                     w = meet(
