@@ -30,6 +30,14 @@ What is faked:
   and mailbox ids are ``mb1``, ``mb2``, ... The PAKE itself stays random; it
   does not change which frames flow.
 
+Faults (``Harness(faults=Faults(...))``, seeded): after any delivered frame
+the router may drop a random live connection (frames in flight are lost, at
+whatever point of the exchange: before the claim lands, between claim and
+PAKE, after it); a dropped client connects again as a router action of its
+own (the Twisted adapter's reconnect), and each try may be refused (the
+next N, or with a probability); the server may restart at a given step,
+with or without its database. ``Faults.log`` names each fault injected.
+
 A ``StopConnection`` from a core closes that client's connection (server
 ``onClose``), as the Twisted adapter does. An exception raised by the server
 code propagates out of ``step`` (autobahn would log it and drop the
@@ -44,6 +52,7 @@ import random
 import types
 from collections import deque
 from collections.abc import Callable
+from dataclasses import dataclass, field
 from typing import Any
 
 from twisted.internet import task
@@ -56,6 +65,23 @@ APPID = "spark-dilation.test/harness"
 
 UP = "up"  # client -> server
 DOWN = "down"  # server -> client
+CONNECT = "connect"  # a dropped client's next connection try (with Faults)
+
+
+@dataclass
+class Faults:
+    """Seeded faults the router injects (see the module docstring)."""
+
+    seed: int = 0
+    drop: float = 0.0  # after each delivered frame, the chance one live connection drops
+    refuse: float = 0.0  # the chance each connection try is refused
+    refuse_next: int = 0  # the next N connection tries are refused
+    restart_at: int | None = None  # the server restarts after this many delivered frames
+    keep_db: bool = True  # ... with its database (False: an empty one, as ``:memory:``)
+    log: list[str] = field(default_factory=list)
+
+    def __post_init__(self) -> None:
+        self.rng = random.Random(self.seed)
 
 
 class Client:
@@ -79,6 +105,7 @@ class Client:
         self.down: deque[tuple[int, bytes]] = deque()
         self.proto: server_websocket.WebSocketServer | None = None
         self.connections = 0
+        self.lost_at = 0  # the sequence number when its connection was last lost
 
     def __repr__(self) -> str:
         return f"<Client {self.name}>"
@@ -135,6 +162,7 @@ class Client:
         proto, self.proto = self.proto, None
         self.up.clear()
         self.down.clear()
+        self.lost_at = next(self.harness._seq)
         if proto is not None:
             self.harness._in_server(proto.onClose, False, 1006, "dropped by the harness")
         if self.core is not None:
@@ -186,7 +214,13 @@ class Harness:
     """The real server, a fake clock, and a frame router between clients."""
 
     def __init__(
-        self, *, appid: str = APPID, seed: int = 0, tick: float = 0.001, motd: str | None = None
+        self,
+        *,
+        appid: str = APPID,
+        seed: int = 0,
+        tick: float = 0.001,
+        motd: str | None = None,
+        faults: Faults | None = None,
     ) -> None:
         self.appid = appid
         self.clock = task.Clock()
@@ -197,6 +231,8 @@ class Harness:
         self.db = database.create_channel_db(":memory:")
         self.server = server.make_server(self.db, welcome_motd=motd, blur_usage=60)
         self.restarts = 0
+        self.faults = faults
+        self.refused = 0
         self.clients: list[Client] = []
         self.held: set[Client] = set()
         self.steps = 0
@@ -256,6 +292,7 @@ class Harness:
             proto, c.proto = c.proto, None
             c.up.clear()
             c.down.clear()
+            c.lost_at = next(self._seq)
             if proto is not None and c.core is not None:
                 c.feed(c.core.connection_lost())
         if not keep_db:
@@ -269,7 +306,11 @@ class Harness:
         """(client, direction) pairs whose queue may deliver now, oldest head first."""
         ready = []
         for c in self.clients:
-            if c in self.held or not c.connected:
+            if c in self.held:
+                continue
+            if not c.connected:
+                if self.faults is not None and c.core is not None and not c.core.closed:
+                    ready.append((c.lost_at, c, CONNECT))  # the adapter reconnects
                 continue
             for direction, queue in ((UP, c.up), (DOWN, c.down)):
                 if queue:
@@ -286,6 +327,9 @@ class Harness:
         c, direction = choice
         self.steps += 1
         self.clock.advance(self.tick)
+        if direction == CONNECT:
+            self._try_connect(c)
+            return True
         if direction == UP:
             _, payload = c.up.popleft()
             c.sent.append(json.loads(payload))
@@ -295,7 +339,33 @@ class Harness:
             c.received.append(json.loads(payload))
             if c.core is not None:
                 c.feed(c.core.frame_received(payload))
+        if self.faults is not None:
+            self._inject(self.faults)
         return True
+
+    def _try_connect(self, c: Client) -> None:
+        f = self.faults
+        assert f is not None
+        if f.refuse_next > 0 or f.rng.random() < f.refuse:
+            f.refuse_next = max(0, f.refuse_next - 1)
+            self.refused += 1
+            f.log.append(f"step {self.steps}: refused a connection of {c.name}")
+            c.lost_at = next(self._seq)  # tried again after the others moved
+            return
+        c.connect()
+
+    def _inject(self, f: Faults) -> None:
+        """After a delivered frame: a restart at its step, else maybe a dropped connection."""
+        if f.restart_at is not None and self.steps >= f.restart_at:
+            f.restart_at = None
+            f.log.append(f"step {self.steps}: server restart, keep_db={f.keep_db}")
+            self.restart(keep_db=f.keep_db)
+            return
+        live = [c for c in self.clients if c.connected and c.core is not None]
+        if live and f.rng.random() < f.drop:
+            victim = f.rng.choice(live)
+            f.log.append(f"step {self.steps}: dropped the connection of {victim.name}")
+            victim.disconnect()
 
     def deliver_through(self, client: Client, direction: str, mtype: str) -> dict[str, Any]:
         """Deliver ``client``'s frames in one direction (held or not) through the first

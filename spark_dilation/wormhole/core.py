@@ -54,6 +54,16 @@ released). A server restarted without it (``:memory:``) makes the nameplate
 anew with a new mailbox; the core then moves there and adds its PAKE again,
 so the peer's later claim meets it (``server_lost_state`` says it happened).
 Once the peer has been seen a reconnect sends no claim: the pairing is made.
+
+The replay check (also ours): a reopened mailbox that had stored phases of ours
+is followed by a ``ping``; the server replays the mailbox before it answers
+(it handles a connection's frames in order), so by the ``pong`` every phase
+it stored has come back. One that did not means the server lost its state;
+the core adds those phases again, so a peer still in that mailbox gets them.
+What the harness still strands (a restart that lost the database between one
+side's receiving the other's PAKE and the other's receiving its PAKE: one
+side moves to the nameplate's new mailbox, the other stays) is named:
+``server_lost_state`` is set, and a meeting that times out says so.
 """
 
 from __future__ import annotations
@@ -261,11 +271,15 @@ class WormholeCore:
         self._release_sent = False  # "release" sent on the current connection
         self._mailbox_closed = False
         self._pending: dict[str, bytes] = {}  # phase -> encrypted body, until echoed
-        # Every phase we added before the peer was seen (our PAKE, at most our version):
-        # a re-claim that lands in a new mailbox adds them there again.
-        self._lonely_adds: dict[str, bytes] = {}
+        # Every phase we added, and those the server echoed (stored): a server that lost
+        # its state gets them again (the re-claim rule and the replay check).
+        self._added: dict[str, bytes] = {}
+        self._echoed: set[str] = set()
+        self._replayed: set[str] | None = None  # our phases replayed since the last reopen
+        self._reopens = 0
         self.server_lost_state = False
-        """A re-claim found our nameplate on a new mailbox: the server lost its state."""
+        """The server lost its state: a re-claim found our nameplate on a new mailbox, or
+        a reopened mailbox did not replay a phase of ours it had stored."""
 
         self._pake: Pake | None = None
         self._key: bytes | None = None
@@ -443,7 +457,35 @@ class WormholeCore:
         pass
 
     def _rx_pong(self, msg: dict[str, Any]) -> None:
-        self._out.append(GotPong(msg.get("pong")))
+        value = msg.get("pong")
+        if value == self._replay_marker():
+            self._check_replay()
+            return
+        self._out.append(GotPong(value))
+
+    def _replay_marker(self) -> str:
+        return f"spark-dilation reopen {self._reopens}"
+
+    def _check_replay(self) -> None:
+        """The pong after a reopen: the server has replayed the mailbox by now (it
+        answers a connection's frames in order). A phase of ours it had echoed but
+        did not replay means it lost its state (restarted without its database): add
+        those phases again, so the peer still in this mailbox gets them."""
+        replayed, self._replayed = self._replayed, None
+        if replayed is None or self.closing or self.closed:
+            return
+        missing = self._echoed - replayed
+        if not missing:
+            return
+        log.info(
+            "the mailbox server lost mailbox %s (restarted without its database?):"
+            " adding %d phases of ours again", self.mailbox, len(missing),
+        )  # fmt: skip
+        self.server_lost_state = True
+        for phase, body in self._added.items():
+            if phase in missing:
+                self._echoed.discard(phase)
+                self._add(phase, body)
 
     def _rx_nameplates(self, msg: dict[str, Any]) -> None:
         self._want_list = False
@@ -470,7 +512,8 @@ class WormholeCore:
             self.server_lost_state = True
             self.mailbox = msg["mailbox"]
             self._mailbox_closed = False
-            self._pending.update(self._lonely_adds)
+            self._pending.update(self._added)
+            self._echoed.clear()  # nothing of ours is in the new mailbox yet
         if not self._mailbox_open:
             self._open_mailbox()  # sends the pending adds, our PAKE among them
         if self.closing:
@@ -519,6 +562,9 @@ class WormholeCore:
         side, phase, body = msg["side"], msg["phase"], msg["body"]
         if side == self.side:
             self._pending.pop(phase, None)  # the server has it: stop resending
+            self._echoed.add(phase)
+            if self._replayed is not None:
+                self._replayed.add(phase)
             return
         if self.closing:
             return
@@ -582,11 +628,15 @@ class WormholeCore:
         self._mailbox_open = True
         for phase, body in self._pending.items():
             self._tx("add", phase=phase, body=body.hex())
+        if self._echoed - set(self._pending):
+            # A reopen of a mailbox that stored phases of ours: the replay check.
+            self._reopens += 1
+            self._replayed = set()
+            self._tx("ping", ping=self._replay_marker())
 
     def _add(self, phase: str, body: bytes) -> None:
         self._pending[phase] = body
-        if self.their_side is None:
-            self._lonely_adds[phase] = body
+        self._added[phase] = body
         if self._mailbox_open:
             self._tx("add", phase=phase, body=body.hex())
 
