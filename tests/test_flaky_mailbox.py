@@ -246,6 +246,34 @@ def test_a_lonely_door_meets_its_sender_after_a_restart_that_lost_everything(
         thread.join(5)
 
 
+def test_a_transfer_meets_through_a_restart_that_lost_everything(
+    relay_url: str, tmp_path: Path
+) -> None:
+    """The sender (Python API) has its code and waits alone; the mailbox server restarts
+    on an in-memory database, forgetting the code's nameplate; the receiver types the
+    code after that: the session, the directory link and every lane's doors meet, and
+    the rows arrive exact. Before the re-claim rule the receiver's claim made a new
+    mailbox that the waiting sender never opened (its peer timeout ended it)."""
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    url = f"ws://127.0.0.1:{port}/v1"
+    server = _serve(tmp_path, port, "--channel-db", ":memory:")
+    try:
+        opts = {"mailbox": url, "relay": relay_url, "staging_dir": str(tmp_path / "st")}
+        table = _table(20_000)
+        sender, thread, box = send_in_background(table, **opts)
+        _stop(server)
+        server = _serve(tmp_path, port, "--channel-db", ":memory:")
+        got = receive_dataset(sender.code, lanes=2, peer_timeout=60, **opts)
+        thread.join(120)
+        assert not thread.is_alive(), "the sender did not finish"
+        assert "error" not in box, box
+        assert got.table is not None and got.table.equals(table), "rows differ"
+    finally:
+        _stop(server)
+
+
 # --- strangers cannot list our doors -----------------------------------------------------
 
 
