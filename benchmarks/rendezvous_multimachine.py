@@ -6,6 +6,8 @@ Usage (root: the machines are network namespaces; see
     sudo .venv/bin/python benchmarks/rendezvous_multimachine.py             # 10 transfers
     sudo .venv/bin/python benchmarks/rendezvous_multimachine.py --runs 3 --keep
     sudo .venv/bin/python benchmarks/rendezvous_multimachine.py --cases show-first
+    sudo .venv/bin/python benchmarks/rendezvous_multimachine.py \\
+        --runs 20 --loss 0.2 --restart-mailbox   # 10 under faults, 10 without
 
 It starts the two standalone clusters of ``tests/test_multimachine.py`` once
 (cluster A writes, cluster B reads, 2 one-core workers each, relay only: the
@@ -19,6 +21,18 @@ other, cycling over the cases:
   (the lanes no slot runs are received on its driver's machine); digest.
 - ``more-senders-than-lanes``: the writer has 8 partitions on its machines, the
   reader ``lanes=2``; digest.
+
+With ``--loss P`` or ``--restart-mailbox`` the transfers meet on a mailbox
+server of their own (``spark-dilation``'s servers on the services address, an
+on-disk database) behind a proxy on that address (``TcpProxy``), and every
+other transfer (odd runs) meets under faults: the proxy closes each new
+connection on arrival with probability ``P`` (seeded by ``--seed`` and the
+run), and ``--restart-mailbox`` kills the mailbox server (SIGKILL, as a crash)
+at a seeded moment ``--restart-window`` seconds into the reader's first action
+(default 0.2 to 2: the directory links and the session are up; 3 to 8: the
+lanes' doors are open too), then starts it again on the same port and
+database. The even runs are the anchor: the same clusters, server and proxy,
+no faults.
 
 Each transfer gets a fresh code and ``--timeout`` seconds (300): a transfer
 that does not finish in time is a stall, a failed result (both applications
@@ -34,10 +48,16 @@ time), and the lines that say "crowded" (case-insensitive; the drivers' logs
 too). One JSON object per run::
 
     {"case", "run", "ok", "seconds", "loaded_s", "rows", "digest_equal", "connections",
-     "hosting_to_first_sender_s": [...], "crowded_lines": N, ...}
+     "hosting_to_first_sender_s": [...], "crowded_lines": N,
+     "mailbox_reconnects": {"lane_hosts": N, "other_helpers": N}, ...}
+
+(``mailbox_reconnects``: the helpers' wormholes that lost the mailbox and came
+back, from their logs: which meetings a restart cut.)
 
 then one summary object (p50 and p99 of every hosting-to-first-sender time,
-stalls, failures, crowded lines). Exit status 1 if a run failed or a log said
+stalls, failures, crowded lines), and with faults one more per setting
+(``"faults": true/false``: its runs, p50/p99, refused connections, restarts,
+and the faulty p50 and p99 as ratios to the anchor's). Exit status 1 if a run failed or a log said
 "crowded". ``--keep`` keeps the folder with every log (printed to stderr).
 """
 
@@ -47,6 +67,7 @@ import argparse
 import contextlib
 import json
 import os
+import random
 import re
 import shutil
 import signal
@@ -54,6 +75,7 @@ import statistics
 import subprocess
 import sys
 import tempfile
+import threading
 import time
 from datetime import datetime
 from pathlib import Path
@@ -73,6 +95,7 @@ HOSTING = re.compile(STAMP + r".*lane (\d+) \(epoch (\d+)\): receiving; a door f
 CONNECTED = re.compile(STAMP + r".*lane (\d+) \(epoch (\d+)\): sender (\d+) of lane \d+ connected")
 HELPERS = ("lanehost", "registryhost", "senderhost")
 CROWDED = re.compile("crowded", re.IGNORECASE)
+RECONNECTED = "reconnected to the mailbox server"
 
 
 class Stall(Exception):
@@ -110,11 +133,59 @@ def _percentile(values: list[float], q: float) -> float | None:
     return ordered[int(rank) - 1]
 
 
+class FlakyMailbox:
+    """A mailbox server of the benchmark's own (on-disk database) behind a proxy, both on
+    the clusters' services address, that it can make flaky and restart."""
+
+    def __init__(self, ip: str, folder: Path, loss: float) -> None:
+        from spark_dilation.testing._proxy import TcpProxy
+
+        self.ip, self.db, self.loss = ip, folder / "mailbox.sqlite", loss
+        self.server = self._start(0)
+        self.port = self.server.mailbox_port
+        # TcpProxy listens on its class's host: the services address, which every
+        # namespace machine reaches (loopback would be each machine's own).
+        self.proxy = type("ServicesProxy", (TcpProxy,), {"host": ip})(ip, self.port)
+        self.url = self.proxy.url()
+        self.restarts = 0
+
+    def _start(self, port: int) -> Any:
+        from spark_dilation.testing._servers import start_server_process
+
+        return start_server_process(
+            interface=self.ip, mailbox_port=port, extra_args=["--channel-db", str(self.db)]
+        )
+
+    def faults(self, on: bool, seed: int) -> None:
+        self.proxy.refuse_randomly(self.loss if on else 0.0, seed)
+
+    def restart(self) -> None:
+        """A crash and a restart on the same port and database."""
+        old, self.server = self.server, None
+        old.kill()
+        old.stderr_path.unlink(missing_ok=True)
+        self.server = self._start(self.port)
+        self.restarts += 1
+
+    def close(self) -> None:
+        self.proxy.close()
+        if self.server is not None:
+            self.server.stop()
+            self.server.stderr_path.unlink(missing_ok=True)
+
+
 class Run:
     """One transfer: the writer on cluster A, the stepped reader on cluster B."""
 
-    def __init__(self, nc: Any, case: str, index: int, folder: Path, timeout: float) -> None:
+    def __init__(
+        self, nc: Any, case: str, index: int, folder: Path, timeout: float,
+        mailbox_url: str | None = None, restart_at: float | None = None,
+        restart: Any = None,
+    ) -> None:  # fmt: skip
         self.nc, self.case, self.index, self.folder = nc, case, index, folder
+        self.mailbox_url = mailbox_url or nc.mailbox_url
+        self.restart_at, self._restart = restart_at, restart
+        self.restarted_s: float | None = None
         self.deadline = time.monotonic() + timeout
         self.code = f"{index + 1}-rendezvous-bench"
         self.writer: subprocess.Popen[bytes] | None = None
@@ -176,7 +247,7 @@ class Run:
             nc.a,
             [
                 PY, "-m", "spark_dilation.testing.spark_peer", "send", "--code", self.code,
-                "--mailbox", nc.mailbox_url, "--relay", nc.relay_url, "--master", nc.a.master_url,
+                "--mailbox", self.mailbox_url, "--relay", nc.relay_url, "--master", nc.a.master_url,
                 "--rows", str(ROWS), "--partitions", str(partitions), "--digest",
             ],
             writer_log,
@@ -185,7 +256,7 @@ class Run:
             lambda argv, log: nc.run_driver(nc.b, argv, log),
             self.folder / "control",
             self.folder / "reader.log",
-            code=self.code, mailbox=nc.mailbox_url, relay=nc.relay_url, master=nc.b.master_url,
+            code=self.code, mailbox=self.mailbox_url, relay=nc.relay_url, master=nc.b.master_url,
             options=options,
         )  # fmt: skip
         result: dict[str, Any] = {"case": self.case, "run": self.index, "code": self.code}
@@ -196,6 +267,15 @@ class Run:
         result["loaded_s"] = round(time.monotonic() - started, 2)
         got: dict[str, Any] = {}
         steps = {}
+        timer = None
+        if self.restart_at is not None:
+            # Mid-rendezvous: the first action is when lanes host and senders meet.
+            def restart() -> None:
+                self.restarted_s = round(time.monotonic() - started, 2)
+                self._restart()
+
+            timer = threading.Timer(self.restart_at, restart)
+            timer.start()
         for action in actions:
             got = self._wait(lambda a=action: self.reader.step(a, timeout=self.left()))
             self.keep_logs()
@@ -204,6 +284,9 @@ class Run:
             steps[action] = got.get("seconds")
             if action == "show" and got.get("shown") != 5:
                 raise RuntimeError(f"show() showed {got.get('shown')} rows, not 5")
+        if timer is not None:
+            timer.join()
+            result["mailbox_restarted_at_s"] = self.restarted_s
         try:
             code = self.writer.wait(self.left())
         except subprocess.TimeoutExpired:
@@ -271,6 +354,7 @@ def analyse(folder: Path) -> dict[str, Any]:
     times: list[float] = []
     never: list[str] = []
     crowded: list[str] = []
+    reconnects = {"lane_hosts": 0, "other_helpers": 0}  # wormholes cut by a mailbox restart
     helpers = folder / "helpers"
     for path in sorted(folder.rglob("*")):
         if not path.is_file() or path.suffix == ".json":
@@ -282,6 +366,8 @@ def analyse(folder: Path) -> dict[str, Any]:
                 crowded.append(f"{path.relative_to(folder)}: {line[:300]}")
             if helpers not in path.parents:
                 continue  # the lane hosts log to their own files only
+            if RECONNECTED in line:
+                reconnects["lane_hosts" if "lane-" in str(path) else "other_helpers"] += 1
             if m := HOSTING.match(line):
                 hosted.setdefault((m[2], m[3]), _stamp(m[1]))
             elif m := CONNECTED.match(line):
@@ -291,7 +377,7 @@ def analyse(folder: Path) -> dict[str, Any]:
                 times.append(round(first[key] - t0, 3))
             else:
                 never.append(f"{path.relative_to(folder)}: lane {key[0]} epoch {key[1]}")
-    return {"times": times, "never": never, "crowded": crowded}
+    return {"times": times, "never": never, "crowded": crowded, "reconnects": reconnects}
 
 
 def main() -> int:
@@ -302,7 +388,27 @@ def main() -> int:
     )
     p.add_argument("--timeout", type=float, default=300.0, help="seconds per transfer")
     p.add_argument("--keep", action="store_true", help="keep the folder with every log")
+    p.add_argument(
+        "--loss", type=float, default=0.0,
+        help="odd runs: the share of new mailbox connections closed on arrival",
+    )  # fmt: skip
+    p.add_argument(
+        "--restart-mailbox", action="store_true",
+        help="odd runs: crash and restart the mailbox server (same database) mid-rendezvous",
+    )  # fmt: skip
+    p.add_argument(
+        "--restart-window", default="0.2,2",
+        help="LO,HI: the restart comes this many seconds into the reader's first action",
+    )  # fmt: skip
+    p.add_argument("--seed", type=int, default=1, help="seeds the faults")
     args = p.parse_args()
+    if not 0.0 <= args.loss < 1.0:
+        p.error("--loss is a probability in [0, 1)")
+    faulty = args.loss > 0 or args.restart_mailbox
+    try:
+        lo, hi = (float(x) for x in args.restart_window.split(","))
+    except ValueError:
+        p.error("--restart-window is LO,HI in seconds")
     cases = [c for c in args.cases.split(",") if c]
     unknown = set(cases) - set(CASES)
     if unknown or not cases:
@@ -317,15 +423,31 @@ def main() -> int:
     work = Path(tempfile.mkdtemp(prefix="rendezvous-bench-"))
     results: list[dict[str, Any]] = []
     nc = None
+    mailbox: FlakyMailbox | None = None
     try:
         t0 = time.monotonic()
         nc = start_net_clusters(work / "netcluster")
         nc.relay_only()
+        if faulty:
+            mailbox = FlakyMailbox(nc.services_ip, work, args.loss)
         print(f"clusters up in {time.monotonic() - t0:.0f} s; logs in {work}", file=sys.stderr)
         for i in range(args.runs):
-            case = cases[i % len(cases)]
+            # Faulty runs cycle the cases too: run i and i + 1 share a case.
+            case = cases[(i // 2 if faulty else i) % len(cases)]
             folder = work / f"run-{i:02d}-{case}"
-            run = Run(nc, case, i, folder, args.timeout)
+            faults = faulty and i % 2 == 1
+            restart_at = None
+            if mailbox is not None:
+                rng = random.Random(args.seed * 1000 + i)
+                mailbox.faults(faults, rng.randrange(2**31))
+                if faults and args.restart_mailbox:
+                    restart_at = round(rng.uniform(lo, hi), 2)
+            refused = mailbox.proxy.refused_connections if mailbox else 0
+            run = Run(
+                nc, case, i, folder, args.timeout,
+                mailbox_url=mailbox.url if mailbox else None,
+                restart_at=restart_at, restart=mailbox.restart if mailbox else None,
+            )  # fmt: skip
             started = time.monotonic()
             try:
                 result = run.run()
@@ -345,6 +467,10 @@ def main() -> int:
                 }
                 for name in ("writer.log", "reader.log"):
                     print(f"--- {folder / name}\n{_tail(folder / name)}", file=sys.stderr)
+            if mailbox is not None:
+                result["faults"] = faults
+                result["refused_connections"] = mailbox.proxy.refused_connections - refused
+                mailbox.faults(False, 0)
             # The next transfer starts on idle clusters: the helpers leave with their apps.
             deadline = time.monotonic() + 30
             while (left := _lane_helpers(nc)) and time.monotonic() < deadline:
@@ -354,6 +480,7 @@ def main() -> int:
             found = analyse(folder)
             result["hosting_to_first_sender_s"] = found["times"]
             result["crowded_lines"] = len(found["crowded"])
+            result["mailbox_reconnects"] = found["reconnects"]
             if found["never"]:
                 result["hosts_without_sender"] = found["never"]
             if found["crowded"]:
@@ -362,6 +489,11 @@ def main() -> int:
             results.append(result)
             print(json.dumps({k: v for k, v in result.items() if k != "_times"}), flush=True)
     finally:
+        if mailbox is not None:
+            try:
+                mailbox.close()
+            except Exception as e:
+                print(f"closing the mailbox server: {e}", file=sys.stderr)
         if nc is not None:
             try:
                 nc.close()
@@ -387,6 +519,35 @@ def main() -> int:
         "seconds_p50": statistics.median([r["seconds"] for r in results]) if results else None,
     }
     print(json.dumps(summary), flush=True)
+    if faulty:
+        p50s: dict[bool, float | None] = {}
+        p99s: dict[bool, float | None] = {}
+        for setting in (False, True):
+            mine = [r for r in results if r.get("faults") is setting]
+            ts = [t for r in mine for t in r["_times"]]
+            p50s[setting], p99s[setting] = _percentile(ts, 50), _percentile(ts, 99)
+            line: dict[str, Any] = {
+                "summary": True,
+                "faults": setting,
+                "loss": args.loss if setting else 0.0,
+                "mailbox_restarts": sum(r.get("mailbox_restarted_at_s") is not None for r in mine),
+                "runs": len(mine),
+                "ok": sum(r["ok"] for r in mine),
+                "stalls": sum(bool(r.get("stall")) for r in mine),
+                "refused_connections": sum(r.get("refused_connections", 0) for r in mine),
+                "lane_hosts": len(ts),
+                "hosting_to_first_sender_p50_s": p50s[setting],
+                "hosting_to_first_sender_p99_s": p99s[setting],
+                "seconds_p50": statistics.median([r["seconds"] for r in mine]) if mine else None,
+                "seconds_each": [r["seconds"] for r in mine],
+            }
+            if setting:
+                for name, ps in (("p50", p50s), ("p99", p99s)):
+                    base, value = ps[False], ps[True]
+                    line[f"{name}_ratio_to_no_faults"] = (
+                        round(value / base, 2) if base and value is not None else None
+                    )
+            print(json.dumps(line), flush=True)
     return 0 if summary["failures"] == 0 and summary["crowded_lines"] == 0 and results else 1
 
 

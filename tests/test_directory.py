@@ -151,6 +151,10 @@ def test_lane_doors_follow_the_lane_table() -> None:
     assert doors.paired(Door(1, 2, 0, 0)) is None  # used once
     assert doors.paired(Door(1, 1, 1, 0)) is None  # another epoch's door
     assert doors.open_doors() == [Door(1, 2, 0, 1), Door(1, 2, 1, 0)]
+    # A stranger on a door uses it up as a pairing does: the sender moves on too.
+    assert doors.spoiled(Door(1, 2, 1, 0)) == Door(1, 2, 1, 1)
+    assert doors.spoiled(Door(1, 2, 1, 0)) is None
+    assert doors.open_doors() == [Door(1, 2, 0, 1), Door(1, 2, 1, 1)]
 
 
 def test_sender_doors_follow_the_sender_table() -> None:

@@ -27,7 +27,7 @@ import pytest
 from reactor_helpers import failure_of, reactor, reactor_test, sleep
 from twisted.internet import threads
 
-from spark_dilation.errors import ServerConnectionError
+from spark_dilation.errors import ServerConnectionError, WrongCodeError
 from spark_dilation.testing._proxy import TcpProxy
 from spark_dilation.testing.waiting import wait_until
 from spark_dilation.transfer import receive_dataset, send_in_background
@@ -329,3 +329,70 @@ async def test_list_on_the_public_appid_shows_none_of_a_transfers_doors(
     assert seen_private, "the transfer's own appid listed no door: the listing proves nothing"
     assert not seen_public, f"a stranger's list shows {len(seen_public)} doors: {seen_public}"
     assert derived != {RENDEZVOUS_APPID}, derived
+
+
+def test_a_stranger_with_a_bogus_pake_on_a_door_costs_one_attempt(
+    mailbox_url: str,
+) -> None:
+    """A stranger claims a lane's door (a forced collision: it knows the nameplate) and
+    sends a PAKE of another password. The lane's meeting ends with DoorSpoiled and keeps
+    its claim (the guard rule); the sender, coming after the stranger left, finds the
+    door crowded (DoorSpoiled too) instead of waiting alone; both meet on the next
+    attempt. Before: the lane failed with "wrong code" (and with it the transfer)."""
+    from spark_dilation.transfer.meet.rendezvous import DoorSpoiled
+
+    spec = _spec(mailbox_url)
+    first, second = Door(0, 0, 0, 0), Door(0, 0, 0, 1)
+    lane: dict[str, Any] = {}
+
+    def lane_side() -> None:
+        try:
+            meet(spec, first.code(spec.secret), ROLE_LANE, first, deadline=time.monotonic() + 60)
+        except BaseException as e:
+            lane["error"] = e
+        try:
+            lane["w"] = meet(
+                spec, second.code(spec.secret), ROLE_LANE, second, deadline=time.monotonic() + 60
+            )
+        except BaseException as e:
+            lane["second"] = e
+
+    thread = threading.Thread(target=lane_side, daemon=True)
+    thread.start()
+    nameplate = first.code(spec.secret).split("-")[0]
+    stranger = meet_stranger(spec, f"{nameplate}-not-the-password")
+    wait_until("the lane's meeting to end", lambda: "error" in lane, 60, interval=0.05)
+    assert isinstance(lane["error"], DoorSpoiled), lane["error"]
+    assert isinstance(lane["error"].__cause__, WrongCodeError), lane["error"]
+    close_wormhole(stranger)  # the stranger leaves; the lane's claim stays
+    with pytest.raises(DoorSpoiled, match="crowded"):
+        meet(spec, first.code(spec.secret), ROLE_SENDER, first, deadline=time.monotonic() + 30)
+    w = meet(spec, second.code(spec.secret), ROLE_SENDER, second, deadline=time.monotonic() + 60)
+    thread.join(60)
+    assert "second" not in lane, lane
+    close_wormhole(w)
+    close_wormhole(lane["w"])
+
+
+def meet_stranger(spec: TransferSpec, code: str) -> Any:
+    """A wormhole on the transfer's doors appid with ``code``: its PAKE reaches the lane."""
+    from crochet import EventualResult
+
+    from spark_dilation.transfer.rules.directory import rendezvous_appid
+    from spark_dilation.wormhole.blocking import ensure_reactor, run_and_wait
+
+    ensure_reactor()
+
+    def start() -> Any:
+        w = Wormhole(
+            rendezvous_appid(spec.secret, spec.private_doors),
+            spec.options.mailbox_url,
+            reactor(),
+            dilation=True,
+        )
+        w.set_code(code)
+        return w, EventualResult(w.get_unverified_key(), reactor())
+
+    w, key = run_and_wait(start, timeout=30, on_timeout=lambda: TimeoutError("start"))
+    key.wait(30)  # its PAKE went out and the lane's came back: the lane has ours too
+    return w

@@ -11,7 +11,7 @@ import pytest
 
 from spark_dilation.errors import TransferError
 from spark_dilation.transfer.meet import rendezvous
-from spark_dilation.transfer.meet.rendezvous import RendezvousCancelled, SenderView
+from spark_dilation.transfer.meet.rendezvous import DoorSpoiled, RendezvousCancelled, SenderView
 from spark_dilation.transfer.rules.options import TransferOptions
 from spark_dilation.transfer.rules.spec import TransferSpec
 from spark_dilation.transfer.send import pool as pool_module
@@ -76,3 +76,35 @@ def test_a_stuck_meeting_ends_with_the_writing_ends_end(monkeypatch: pytest.Monk
     hosted": a reused Spark worker keeps no claim for its whole life."""
     end = "the writing application's sender host went away"
     _stuck_meeting(monkeypatch, {"end": end}, end)
+
+
+def test_a_spoiled_door_costs_one_attempt_and_the_deadline_names_the_stranger(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """A stranger spoils door attempt 0 (``meet`` raises DoorSpoiled): the meeting moves
+    to attempt 1 at once, as the lane does (no error, no new meeting). When the lane's
+    host does not come there either, the caller fails at its deadline naming the
+    stranger, not "never hosted"."""
+    spec = TransferSpec("ab" * 16, b"q" * 32, 1, b"", "none", TransferOptions())
+    view = SenderView(spec.transfer_id, sender=0)
+    view.update({"lanes": {"0": 0}})
+    rendezvous.register_view(view)
+    attempts: list[int] = []
+
+    def meet(spec: Any, code: str, role: str, door: Any, *, cancelled: Any, what: str, **_: Any):
+        attempts.append(door.attempt)
+        if door.attempt == 0:
+            raise DoorSpoiled(f"a stranger was on the door to {what} (crowded)")
+        while not cancelled():
+            time.sleep(0.05)
+        raise RendezvousCancelled(f"stopped waiting for {what}")
+
+    monkeypatch.setattr(pool_module, "meet", meet)
+    try:
+        with pytest.raises(TransferError, match="a stranger was on the door to lane 0") as info:
+            ConnectionPool().get(spec, 0, deadline=time.monotonic() + 2)
+        assert "lane_start_timeout" in str(info.value)
+        assert attempts == [0, 1]
+    finally:
+        view.update({"end": "test over"})  # the meeting at attempt 1 gives its claim up
+        rendezvous.forget(spec.transfer_id)

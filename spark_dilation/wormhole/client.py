@@ -180,6 +180,8 @@ class Wormhole:
     the wait for the other side to use the code and confirm the key; when it
     expires the wormhole closes with :class:`PeerTimeoutError`, whose advice
     names ``timeout_option`` (the caller's spelling: ``--timeout``, ``peer_timeout=``).
+    ``guard_door`` (a meeting at a door): release the nameplate only once the key is
+    confirmed and never after a wrong code (``core.py``, the guard rule).
     ``connect_tries``: first-connection tries before it fails with
     :class:`ServerConnectionError` (within ``CONNECT_WINDOW`` s); None tries until
     it is closed (a meeting, whose caller holds the deadline).
@@ -199,6 +201,7 @@ class Wormhole:
         retry_policy: Callable[[int], float] | None = None,
         dilation: bool = False,
         keep_nameplate: bool = False,
+        guard_door: bool = False,
         connect_tries: int | None = CONNECT_TRIES,
     ) -> None:
         if connect_tries is not None and connect_tries < 1:
@@ -216,7 +219,11 @@ class Wormhole:
         _watch_shutdown(reactor)
         self._url = mailbox_url
         self._core = core.WormholeCore(
-            appid, versions=versions, side=side, keep_nameplate=keep_nameplate
+            appid,
+            versions=versions,
+            side=side,
+            keep_nameplate=keep_nameplate,
+            guard_door=guard_door,
         )
         self._timeout = timeout
         self._timeout_option = timeout_option

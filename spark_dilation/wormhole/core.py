@@ -64,6 +64,12 @@ What the harness still strands (a restart that lost the database between one
 side's receiving the other's PAKE and the other's receiving its PAKE: one
 side moves to the nameplate's new mailbox, the other stays) is named:
 ``server_lost_state`` is set, and a meeting that times out says so.
+
+The guard rule (also ours, ``guard_door``: the dataset rendezvous's doors): the
+nameplate is released only once the key is confirmed, not at the peer's
+first message, and a wrong code (a stranger's PAKE) leaves without releasing
+it or closing our side of the mailbox (the server prunes both in time). A
+door a stranger spoiled so stays crowded for whoever comes to it later.
 """
 
 from __future__ import annotations
@@ -246,12 +252,17 @@ class WormholeCore:
         side: str | None = None,
         client_version: tuple[str, str] = ("spark-dilation", __version__),
         keep_nameplate: bool = False,
+        guard_door: bool = False,
     ) -> None:
         self.appid = appid
         # Keep our claim on the nameplate until close() instead of releasing it at
         # the peer's first message: the nameplate then stays "crowded" for third
         # parties as long as we live (the dataset rendezvous relies on this).
         self.keep_nameplate = keep_nameplate
+        # A door's wormhole (the guard rule): release only once the key is confirmed,
+        # and never after a wrong code, so that a door a stranger spoiled stays crowded
+        # for whoever comes to it later (who then moves on, instead of waiting alone).
+        self.guard_door = guard_door
         self.side = side or os.urandom(5).hex()
         # The plaintext of our "version" phase: {"can-dilate": ..., "app_versions": ...}.
         self._versions = dict(versions or {"app_versions": {}})
@@ -263,7 +274,8 @@ class WormholeCore:
         self._nameplate: str | None = None
         self._code_length: int | None = None  # set while an allocation is wanted
         self._want_list = False
-        # None -> "claiming" -> "claimed" -> "releasing" -> "released"
+        # None -> "claiming" -> "claimed" -> "releasing" -> "released" (or "held": the
+        # guard rule's spoiled door, never released)
         self._claim: str | None = None
         self._claim_sent = False
         self.mailbox: str | None = None
@@ -521,7 +533,7 @@ class WormholeCore:
             # our PAKE is now ahead of the release and close on this connection.
             self._send_close_requests()
             self._maybe_finish()
-        elif self.their_side is not None and not self.keep_nameplate:
+        elif self.their_side is not None and self._releases_now():
             self._release()
 
     def _rx_released(self, msg: dict[str, Any]) -> None:
@@ -571,7 +583,7 @@ class WormholeCore:
         if self.their_side is None:
             self.their_side = side
             self._out.append(GotPeer())
-            if not self.keep_nameplate:
+            if self._releases_now():
                 self._release()
         elif side != self.their_side:
             log.warning("ignoring a mailbox message from a third side %r", side)
@@ -674,6 +686,8 @@ class WormholeCore:
         if not self.verified:
             self.verified = True
             self._out.append(GotVerifier(derive_verifier(self._key)))
+            if self._releases_now():
+                self._release()  # the guard rule's release, once the key is confirmed
             unsent, self._unsent_app = self._unsent_app, []
             for unsent_phase, data in unsent:
                 self._send_encrypted(unsent_phase, data)
@@ -703,7 +717,20 @@ class WormholeCore:
         events = self.close(error)
         self._out.extend(events)
 
+    def _releases_now(self) -> bool:
+        """Release the nameplate now that the peer is known? (Not with keep_nameplate; a
+        guarded door only once the key is confirmed.)"""
+        return not self.keep_nameplate and (self.verified or not self.guard_door)
+
     def _send_close_requests(self) -> None:
+        if self.guard_door and self._claim == "claimed" and isinstance(self.result, WrongCodeError):
+            # The guard rule: the spoiled door keeps our claim and our side of its mailbox
+            # (the server prunes both in time; a mailbox all of whose sides closed would
+            # have its nameplate deleted under our claim), so a third side finds it
+            # crowded instead of claiming it anew. We just leave.
+            self._claim = "held"
+        if self._claim == "held":
+            return
         if self._claim == "claiming":
             if self._claim_sent:
                 return  # the ghost rule: wait for "claimed", see the module docstring
@@ -721,7 +748,7 @@ class WormholeCore:
             self._claim = None
         if self._claim in ("claiming", "claimed", "releasing"):
             return
-        if self.mailbox is not None and not self._mailbox_closed:
+        if self.mailbox is not None and not self._mailbox_closed and self._claim != "held":
             return
         self.closed = True
         self._out.append(Closed(self.result))

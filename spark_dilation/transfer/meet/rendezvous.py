@@ -28,7 +28,13 @@ from typing import Any
 
 import crochet
 
-from ...errors import CrowdedError, DilationError, ServerConnectionError, TransferError
+from ...errors import (
+    CrowdedError,
+    DilationError,
+    ServerConnectionError,
+    TransferError,
+    WrongCodeError,
+)
 from ...wormhole.blocking import claim, ensure_reactor, run_and_wait
 from ..rules.directory import (
     DirectoryState,
@@ -59,6 +65,12 @@ _OTHER[ROLE_WRITER] = ROLE_READER
 
 class RendezvousTimeout(DilationError, TimeoutError):
     """The peer the directory named did not come within the deadline."""
+
+
+class DoorSpoiled(DilationError):
+    """A stranger was on the door: it was crowded, or a PAKE there did not confirm (a
+    wrong code). Both sides of the door give that attempt up and meet on the next
+    (the lane's door keeps its claim, so a sender who comes later finds it crowded)."""
 
 
 class RendezvousCancelled(DilationError):
@@ -123,6 +135,7 @@ def meet(
         w = Wormhole(
             rendezvous_appid(spec.secret, spec.private_doors), spec.options.mailbox_url,
             reactor, app_versions=versions, dilation=True, connect_tries=None,
+            guard_door=door is not None,
         )  # fmt: skip
         w.set_code(code)
         return w, crochet.EventualResult(w.get_versions(), reactor)
@@ -146,7 +159,10 @@ def meet(
     except BaseException as e:
         claim(waiter)  # its error (the close below) is ours to drop, not crochet's to log
         close_wormhole(w)
-        if isinstance(e, CrowdedError):  # only two sides ever claim a door: a bug or an attack
+        if door is not None and isinstance(e, CrowdedError | WrongCodeError):
+            # Only two sides ever claim a door: a third is a stranger (or a bug).
+            raise DoorSpoiled(f"a stranger was on the door to {what} ({e})") from e
+        if isinstance(e, CrowdedError):
             raise DilationError(f"the door to {what} was crowded: {e}") from e
         raise
     problem = _check_peer(versions, theirs)

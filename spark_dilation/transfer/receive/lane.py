@@ -51,7 +51,14 @@ import pyarrow.ipc as ipc
 from ...dilation.blocking import DilationClosed, DilationTimeout, SubchannelClosed
 from ...dilation.manager import DilationNoPath, DilationReconnectFailed
 from ...errors import DilationError, TransferError
-from ..meet.rendezvous import Paired, RendezvousCancelled, dilate_paired, meet, sender_set
+from ..meet.rendezvous import (
+    DoorSpoiled,
+    Paired,
+    RendezvousCancelled,
+    dilate_paired,
+    meet,
+    sender_set,
+)
 from ..rules.directory import Door, LaneDoors
 from ..rules.endwait import EndWait
 from ..rules.errors import (
@@ -489,6 +496,11 @@ class LaneReceiver:
                 )
             except (RendezvousCancelled, crochet.ReactorStopped):
                 return  # stopped, or the process is exiting (a CLI after its transfer)
+            except DoorSpoiled as e:  # it costs this attempt, not the lane: the next door
+                log.warning("lane %d (epoch %d): %s; next door", self.lane, self.epoch, e)
+                with self._cond:
+                    door = self._doors.spoiled(door)
+                continue
             except ProtocolError as e:  # not the peer the directory sent: leave this door
                 log.warning("lane %d: %s", self.lane, e)
                 return

@@ -33,6 +33,7 @@ are two connections)::
     epoch of the lane unknown               wait for the directory's push
     epoch e known                           claim (l, e, s, a), a = the next attempt
     paired                                  dilate
+    spoiled (crowded, or a wrong code)      the next attempt, a + 1 (the lane moves too)
     the caller's deadline passes            the caller fails; the claim stays until it
                                             pairs (the lane waits on exactly this door)
     lane l ended at epoch e, no new host    the connection fails at once with the lane's
@@ -46,6 +47,7 @@ Lane side, per (lane host of epoch e, sender s)::
     ---------   ---------------------------   ---------   -------------------------------
     (none)      sender s known                OPEN(a=0)   claim door (l, e, s, 0)
     OPEN(a)     paired                        OPEN(a+1)   keep the connection; claim a + 1
+    OPEN(a)     spoiled (a stranger on it)    OPEN(a+1)   keep the spoiled claim; claim a + 1
     OPEN(a)     lane finished                 (none)      close (releases the claim)
 
 A lane can end for good with no new epoch (the registry failed it: its host's
@@ -284,6 +286,12 @@ class LaneDoors:
             return None
         self._attempt[door.sender] = door.attempt + 1
         return Door(self.lane, self.epoch, door.sender, door.attempt + 1)
+
+    def spoiled(self, door: Door) -> Door | None:
+        """A stranger was on ``door`` (crowded, or a PAKE that did not confirm): the door
+        is used up as by a pairing; the next one for its sender (None: a stale door). The
+        sender, who finds the door crowded or the code wrong, moves to that one too."""
+        return self.paired(door)
 
     def open_doors(self) -> list[Door]:
         return [Door(self.lane, self.epoch, s, a) for s, a in sorted(self._attempt.items())]

@@ -39,6 +39,7 @@ from ...dilation.blocking import BlockingDilationError, DilationTimeout
 from ...errors import DilationError, TransferError
 from ..meet.rendezvous import (
     CLOSE_WAIT,
+    DoorSpoiled,
     Paired,
     RendezvousCancelled,
     SenderView,
@@ -111,6 +112,7 @@ class _Meeting:
         self.error: BaseException | None = None
         self.thread: threading.Thread | None = None
         self.wormhole: Any = None  # the door's wormhole now: why the mailbox is not reached
+        self.spoiled: DoorSpoiled | None = None  # the last door a stranger was on
 
 
 class ConnectionPool:
@@ -159,7 +161,14 @@ class ConnectionPool:
             if ended.is_set():
                 raise self.failure(spec.transfer_id) or TransferError("cancelled")
             if time.monotonic() >= deadline:
-                # The true cause: a mailbox server never reached is not a lane never hosted.
+                # The true cause: a mailbox server never reached, or a stranger on the
+                # lane's doors, is not a lane never hosted.
+                if meeting.spoiled is not None:
+                    raise TransferError(
+                        f"{what}: {meeting.spoiled}, and its host did not come to the next "
+                        f"door within {spec.options.lane_start_timeout:g} s "
+                        "(lane_start_timeout)"
+                    )
                 raise unreachable(meeting.wormhole, spec) or LaneNotStartedError(
                     lane, spec.lanes, spec.options.lane_start_timeout, what, spec.options
                 )
@@ -232,6 +241,10 @@ class ConnectionPool:
                     if stopped():
                         raise
                     continue  # the lane was re-hosted meanwhile: its new door
+                except DoorSpoiled as e:  # it costs this attempt: the lane moves on too
+                    log.warning("lane %d of transfer %s: %s; next door", lane, spec.transfer_id, e)
+                    meeting.spoiled = e
+                    continue
                 if not view.paired(door):
                     close_wormhole(w)
                     continue
