@@ -29,10 +29,10 @@ other transfer (odd runs) meets under faults: the proxy closes each new
 connection on arrival with probability ``P`` (seeded by ``--seed`` and the
 run), and ``--restart-mailbox`` kills the mailbox server (SIGKILL, as a crash)
 at a seeded moment ``--restart-window`` seconds into the reader's first action
-(default 0.2 to 2: the directory links and the session are up; 3 to 8: the
-lanes' doors are open too), then starts it again on the same port and
-database. The even runs are the anchor: the same clusters, server and proxy,
-no faults.
+(default 0.2 to 2: the session and the directory links are up; on the 2-core
+box the lanes host about 10 s into the action, so 9 to 14 cuts their doors
+too), then starts it again on the same port and database. The even runs are
+the anchor: the same clusters, server and proxy, no faults.
 
 Each transfer gets a fresh code and ``--timeout`` seconds (300): a transfer
 that does not finish in time is a stall, a failed result (both applications

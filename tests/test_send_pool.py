@@ -108,3 +108,31 @@ def test_a_spoiled_door_costs_one_attempt_and_the_deadline_names_the_stranger(
     finally:
         view.update({"end": "test over"})  # the meeting at attempt 1 gives its claim up
         rendezvous.forget(spec.transfer_id)
+
+
+def test_a_meeting_stranded_by_a_server_that_lost_its_state_says_so(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """The door's wormhole saw the mailbox server lose its state (``server_lost_state``:
+    a restart without its database, see core.py) and the lane never came: the caller
+    fails at its deadline with that cause, not "did not start"."""
+    from types import SimpleNamespace
+
+    spec = TransferSpec("cd" * 16, b"r" * 32, 1, b"", "none", TransferOptions())
+    view = SenderView(spec.transfer_id, sender=0)
+    view.update({"lanes": {"0": 0}})
+    rendezvous.register_view(view)
+
+    def meet(*args: Any, cancelled: Any, what: str, started: Any, **kwargs: Any) -> Any:
+        started(SimpleNamespace(server_lost_state=True, connection_problem=None))
+        while not cancelled():
+            time.sleep(0.05)
+        raise RendezvousCancelled(f"stopped waiting for {what}")
+
+    monkeypatch.setattr(pool_module, "meet", meet)
+    try:
+        with pytest.raises(TransferError, match="lost its state meanwhile"):
+            ConnectionPool().get(spec, 0, deadline=time.monotonic() + 1)
+    finally:
+        view.update({"end": "test over"})
+        rendezvous.forget(spec.transfer_id)

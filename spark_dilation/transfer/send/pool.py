@@ -45,6 +45,7 @@ from ..meet.rendezvous import (
     SenderView,
     close_wormhole,
     dilate_paired,
+    lost_state,
     meet,
     sender_view,
     unreachable,
@@ -168,6 +169,11 @@ class ConnectionPool:
                         f"{what}: {meeting.spoiled}, and its host did not come to the next "
                         f"door within {spec.options.lane_start_timeout:g} s "
                         "(lane_start_timeout)"
+                    )
+                if lost := lost_state(meeting.wormhole):
+                    raise TransferError(
+                        f"{what}: lane {lane} did not pair within "
+                        f"{spec.options.lane_start_timeout:g} s (lane_start_timeout){lost}"
                     )
                 raise unreachable(meeting.wormhole, spec) or LaneNotStartedError(
                     lane, spec.lanes, spec.options.lane_start_timeout, what, spec.options
