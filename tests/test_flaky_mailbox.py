@@ -139,6 +139,14 @@ def test_transfers_through_a_proxy_that_refuses_a_fifth_of_new_connections(
 # --- a restarted server keeps its state ------------------------------------------------
 
 
+def _free_mailbox_port() -> tuple[int, str]:
+    """A free loopback port for ``_serve`` and the mailbox URL on it."""
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    return port, f"ws://127.0.0.1:{port}/v1"
+
+
 def _serve(folder: Path, port: int, *more: str) -> subprocess.Popen[bytes]:
     """``spark-dilation serve`` in ``folder``, listening on ``port`` once this returns."""
     command = [str(Path(sys.executable).parent / "spark-dilation"), "serve"]
@@ -173,10 +181,7 @@ async def test_serve_keeps_its_mailboxes_across_a_restart(tmp_path: Path) -> Non
     """``spark-dilation serve`` keeps its database on disk by default (``mailbox.sqlite``
     in its folder): a code allocated before a restart is claimed after it, and the two
     sides meet (an in-memory server would have lost the nameplate's mailbox)."""
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        port = s.getsockname()[1]
-    url = f"ws://127.0.0.1:{port}/v1"
+    port, url = _free_mailbox_port()
     server = await threads.deferToThread(_serve, tmp_path, port)
     a = Wormhole(APPID, url, reactor())
     b = None
@@ -207,10 +212,7 @@ def test_a_lonely_door_meets_its_sender_after_a_restart_that_lost_everything(
     they pair, since the lane's wormhole claims its door again on its reconnect (the
     re-claim rule). Before the rule the lane reopened a mailbox no one else would open,
     and both waited until their deadline."""
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        port = s.getsockname()[1]
-    url = f"ws://127.0.0.1:{port}/v1"
+    port, url = _free_mailbox_port()
     server = _serve(tmp_path, port, "--channel-db", ":memory:")
     spec = _spec(url)
     door = Door(lane=0, epoch=0, sender=0, attempt=0)
@@ -254,10 +256,7 @@ def test_a_transfer_meets_through_a_restart_that_lost_everything(
     code after that: the session, the directory link and every lane's doors meet, and
     the rows arrive exact. Before the re-claim rule the receiver's claim made a new
     mailbox that the waiting sender never opened (its peer timeout ended it)."""
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        port = s.getsockname()[1]
-    url = f"ws://127.0.0.1:{port}/v1"
+    port, url = _free_mailbox_port()
     server = _serve(tmp_path, port, "--channel-db", ":memory:")
     try:
         opts = {"mailbox": url, "relay": relay_url, "staging_dir": str(tmp_path / "st")}

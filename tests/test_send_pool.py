@@ -5,6 +5,8 @@ from __future__ import annotations
 
 import threading
 import time
+from collections.abc import Callable, Iterator
+from contextlib import contextmanager
 from typing import Any
 
 import pytest
@@ -18,20 +20,36 @@ from spark_dilation.transfer.send import pool as pool_module
 from spark_dilation.transfer.send.pool import ConnectionPool
 
 
-def _stuck_meeting(monkeypatch: pytest.MonkeyPatch, news: dict[str, Any], expected: str) -> None:
-    """A meeting waits at lane 0's door (epoch 0) for a host that never comes; ``news``
-    reaches this process's view; the caller must fail at once, naming ``expected``."""
-    spec = TransferSpec("ef" * 16, b"p" * 32, 1, b"", "none", TransferOptions())
+@contextmanager
+def _lane_0_hosted(transfer_id: str) -> Iterator[tuple[TransferSpec, SenderView]]:
+    """A transfer whose lane 0 is hosted at epoch 0, in this process's registered view;
+    afterwards the view ends (a meeting still waiting gives its claim up) and goes."""
+    spec = TransferSpec(transfer_id, b"p" * 32, 1, b"", "none", TransferOptions())
     view = SenderView(spec.transfer_id, sender=0)
     view.update({"lanes": {"0": 0}})
     rendezvous.register_view(view)
+    try:
+        yield spec, view
+    finally:
+        view.update({"end": "test over"})
+        rendezvous.forget(spec.transfer_id)
+
+
+def _wait_for_cancel(cancelled: Callable[[], bool], what: str) -> None:
+    """A meeting no host comes to: it polls its cancel as the real meet() does."""
+    while not cancelled():
+        time.sleep(0.05)
+    raise RendezvousCancelled(f"stopped waiting for {what}")
+
+
+def _stuck_meeting(monkeypatch: pytest.MonkeyPatch, news: dict[str, Any], expected: str) -> None:
+    """A meeting waits at lane 0's door (epoch 0) for a host that never comes; ``news``
+    reaches this process's view; the caller must fail at once, naming ``expected``."""
     waiting = threading.Event()
 
     def meet(*args: Any, cancelled: Any, what: str, **kwargs: Any) -> Any:
         waiting.set()
-        while not cancelled():  # the real meet() polls its cancel the same way
-            time.sleep(0.05)
-        raise RendezvousCancelled(f"stopped waiting for {what}")
+        _wait_for_cancel(cancelled, what)
 
     monkeypatch.setattr(pool_module, "meet", meet)
     outcome: dict[str, Any] = {}
@@ -42,8 +60,8 @@ def _stuck_meeting(monkeypatch: pytest.MonkeyPatch, news: dict[str, Any], expect
         except BaseException as e:
             outcome["error"] = e
 
-    caller = threading.Thread(target=get, daemon=True)
-    try:
+    with _lane_0_hosted("ef" * 16) as (spec, view):
+        caller = threading.Thread(target=get, daemon=True)
         caller.start()
         assert waiting.wait(10), "the meeting never reached its door"
         view.update(news)
@@ -52,8 +70,6 @@ def _stuck_meeting(monkeypatch: pytest.MonkeyPatch, news: dict[str, Any], expect
         error = outcome["error"]
         assert isinstance(error, TransferError), error
         assert expected in str(error), error
-    finally:
-        rendezvous.forget(spec.transfer_id)
 
 
 def test_a_meeting_at_a_lane_that_ended_for_good_fails_with_the_lanes_error(
@@ -85,29 +101,20 @@ def test_a_spoiled_door_costs_one_attempt_and_the_deadline_names_the_stranger(
     to attempt 1 at once, as the lane does (no error, no new meeting). When the lane's
     host does not come there either, the caller fails at its deadline naming the
     stranger, not "never hosted"."""
-    spec = TransferSpec("ab" * 16, b"q" * 32, 1, b"", "none", TransferOptions())
-    view = SenderView(spec.transfer_id, sender=0)
-    view.update({"lanes": {"0": 0}})
-    rendezvous.register_view(view)
     attempts: list[int] = []
 
     def meet(spec: Any, code: str, role: str, door: Any, *, cancelled: Any, what: str, **_: Any):
         attempts.append(door.attempt)
         if door.attempt == 0:
             raise DoorSpoiled(f"a stranger was on the door to {what} (crowded)")
-        while not cancelled():
-            time.sleep(0.05)
-        raise RendezvousCancelled(f"stopped waiting for {what}")
+        _wait_for_cancel(cancelled, what)
 
     monkeypatch.setattr(pool_module, "meet", meet)
-    try:
+    with _lane_0_hosted("ab" * 16) as (spec, _):
         with pytest.raises(TransferError, match="a stranger was on the door to lane 0") as info:
             ConnectionPool().get(spec, 0, deadline=time.monotonic() + 2)
         assert "lane_start_timeout" in str(info.value)
         assert attempts == [0, 1]
-    finally:
-        view.update({"end": "test over"})  # the meeting at attempt 1 gives its claim up
-        rendezvous.forget(spec.transfer_id)
 
 
 def test_a_meeting_stranded_by_a_server_that_lost_its_state_says_so(
@@ -118,21 +125,11 @@ def test_a_meeting_stranded_by_a_server_that_lost_its_state_says_so(
     fails at its deadline with that cause, not "did not start"."""
     from types import SimpleNamespace
 
-    spec = TransferSpec("cd" * 16, b"r" * 32, 1, b"", "none", TransferOptions())
-    view = SenderView(spec.transfer_id, sender=0)
-    view.update({"lanes": {"0": 0}})
-    rendezvous.register_view(view)
-
     def meet(*args: Any, cancelled: Any, what: str, started: Any, **kwargs: Any) -> Any:
         started(SimpleNamespace(server_lost_state=True, connection_problem=None))
-        while not cancelled():
-            time.sleep(0.05)
-        raise RendezvousCancelled(f"stopped waiting for {what}")
+        _wait_for_cancel(cancelled, what)
 
     monkeypatch.setattr(pool_module, "meet", meet)
-    try:
+    with _lane_0_hosted("cd" * 16) as (spec, _):
         with pytest.raises(TransferError, match="lost its state meanwhile"):
             ConnectionPool().get(spec, 0, deadline=time.monotonic() + 1)
-    finally:
-        view.update({"end": "test over"})
-        rendezvous.forget(spec.transfer_id)

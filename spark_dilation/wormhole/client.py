@@ -264,8 +264,9 @@ class Wormhole:
 
     @property
     def server_lost_state(self) -> bool:
-        """Our lonely claim, made again after a reconnect, found a new mailbox: the
-        server restarted without its database (see ``core.py``, the re-claim rule)."""
+        """The server lost its state (restarted without its database): our lonely claim,
+        made again after a reconnect, found a new mailbox, or a reopened mailbox did not
+        replay our phases (``core.py``, the re-claim rule and the replay check)."""
         return self._core.server_lost_state
 
     def get_welcome(self) -> defer.Deferred:

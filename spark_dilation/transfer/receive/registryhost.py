@@ -217,7 +217,7 @@ class RegistryHost:
                         )
                         link.send_json(answer)
                         if answer["do"] == "receive":
-                            self.reading.publish(self.registry.epochs(), self.registry.ended())
+                            self.reading.publish(self.registry.epochs())
                             senders = sorted(self.reading.senders)
                             if senders:
                                 link.send_json({"senders": senders})
