@@ -119,8 +119,16 @@ async def test_relay_restart_heals_ours_to_ours(wormhole_servers, relay, sides, 
         assert_intact(snd, rcv)
         assert a.generation >= 2 and on_relay(a) and on_relay(b)  # healed, on the new relay
         assert a.dw.status().retries == 0 and a.dw.status().down_since is None
-        # One outage, one reconnect: generations that never connected are not counted.
-        assert a.dw.status().connections == b.dw.status().connections == 2
+        # Generations that never connected are not counted: each side counts the
+        # connections it selected, at least the first and one after the outage, at
+        # most one per generation. (A busy machine can lose a just-selected
+        # connection before the Follower reads the Leader's KCM: one more for the
+        # Leader only, and one more generation.)
+        for peer in (a, b):
+            status = peer.dw.status()
+            assert 2 <= status.connections <= status.generation, status
+        if outage >= 3:  # the retries while the relay was away each began a generation
+            assert a.dw.status().connections < a.dw.status().generation, a.dw.status()
     finally:
         await close_all(a, b)
 
