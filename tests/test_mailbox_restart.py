@@ -14,8 +14,9 @@ from __future__ import annotations
 import random
 
 import pytest
-from mailbox_harness import Harness
+from mailbox_harness import DOWN, UP, Harness
 
+from spark_dilation.errors import CrowdedError
 from spark_dilation.wormhole import core
 
 CODE = "7-lonely-door"
@@ -133,3 +134,56 @@ def test_seeded_restarts_before_the_peer_arrives(keep_db):
         h.run_random(seed, check=h.check_at_most_two_sides)
         assert paired(door, peer), seed
         close_both(h, door, peer)
+
+
+def test_a_restart_that_lost_the_peers_pake_is_named():
+    """The sender received the lane's PAKE (so it is no longer lonely: no re-claim) and
+    the server restarted without its database before the sender's own PAKE landed. Its
+    reopen finds an empty mailbox: the replay check misses the lane's PAKE, so the core
+    knows the server lost its state (a meeting that then times out names it). Before,
+    with nothing of its own echoed, the sender reopened without a check and waited
+    with no cause to give."""
+    h = Harness()
+    lane = h.client("lane", guard_door=True)
+    lane.set_code(CODE)
+    h.run_until_quiet()
+    sender = h.client("sender", guard_door=True)
+    sender.set_code(CODE)
+    h.deliver_through(sender, UP, "claim")
+    h.deliver_through(sender, DOWN, "claimed")
+    h.deliver_through(sender, UP, "open")  # its PAKE's add is still queued behind
+    while not sender.got(core.GotPeer):
+        h.step((sender, DOWN))
+    assert "pake" not in sender.core._echoed
+    h.restart(keep_db=False)
+    sender.connect()
+    lane.connect()
+    h.run_until_quiet()
+    assert not paired(lane, sender)
+    assert sender.core.server_lost_state
+
+
+def test_a_crowded_reclaim_ends_the_wormhole():
+    """A stranger claimed the door after the sender; the lane's claim was the third
+    (crowded, and the server keeps its row). The server restarts with its database and
+    the sender, still lonely, claims again: crowded. Its close is refused too (the
+    server opens the crowded mailbox for it): the wormhole still ends, with the crowded
+    error, so the meeting moves to the next door. Before, it waited for a ``closed``
+    that never came, and the sender's meeting waited on the spoiled door for good."""
+    h = Harness()
+    sender = h.client("sender", guard_door=True)
+    sender.set_code(CODE)
+    h.run_until_quiet()
+    stranger = h.raw_client("stranger")
+    stranger.send_raw("bind", appid=h.appid, side="stranger00")
+    stranger.send_raw("claim", nameplate=CODE.split("-")[0])
+    h.run_until_quiet()
+    lane = h.client("lane", guard_door=True)
+    lane.set_code(CODE)
+    h.run_until_quiet()
+    assert isinstance(lane.closed_result, CrowdedError)
+    assert not sender.got(core.Closed)
+    h.restart(keep_db=True)
+    sender.connect()
+    h.run_until_quiet()
+    assert isinstance(sender.closed_result, CrowdedError)

@@ -1,13 +1,18 @@
-"""Meeting by introduction, end to end: the directory's rules driving real claims.
+"""Meeting by introduction, end to end: the product's meeting rules driving real claims.
 
-Lanes and senders are driven exactly as ``spark_dilation.transfer.rules.directory``
-says: every code a client claims comes from ``LaneDoors`` (the lane host's open
-doors) or ``SenderDoors`` (a sender's connection), never from the test. Each
-claim is one ``WormholeCore`` against the real mailbox server code
-(tests/mailbox_harness.py). After every delivered frame the world checks that
-no nameplate or mailbox has more than two sides and that every nameplate on
-the server is a door the directory issued, then reacts the way production
-does: a lane host that paired on door ``a`` opens ``a + 1`` for that sender.
+Lanes and senders are driven by the product's own pure machines
+(``spark_dilation.transfer.rules``): which door a claim takes comes from
+``LaneDoors`` (a lane host's open doors) and ``SenderMeeting`` over
+``SenderDoors`` (a sender's connection), how a claim ended from
+``claim_outcome`` (as ``meet()`` classifies it), and what each side does next
+from ``SenderMeeting.claimed`` and ``LaneDoor.claimed`` (the ``sender
+meeting`` and ``lane door`` tables the connection pool and a lane's door
+threads step). Nothing here decides a door. Each claim is one
+``WormholeCore`` with the versions and the guard ``meet()`` gives it, against
+the real mailbox server code (tests/mailbox_harness.py). After every
+delivered frame the world checks that no nameplate or mailbox has more than
+two sides and that every nameplate on the server is a door the directory
+issued, then hands each claim that ended to its machine.
 
 A *pairing* is a door whose two sides both got the peer's versions, and each
 side's versions name that same door and the other role. Time is counted in
@@ -24,8 +29,9 @@ import random
 import time
 
 import pytest
-from mailbox_harness import DOWN, Harness
+from mailbox_harness import DOWN, Faults, Harness
 
+from spark_dilation.transfer.meet.rendezvous import lost_state
 from spark_dilation.transfer.rules.directory import (
     DirectoryState,
     Door,
@@ -36,51 +42,59 @@ from spark_dilation.transfer.rules.directory import (
     lanes_message,
     senders_message,
 )
+from spark_dilation.transfer.rules.meeting import (
+    LaneDoor,
+    LaneStep,
+    MeetingEnded,
+    Outcome,
+    SenderMeeting,
+    Step,
+    claim_outcome,
+    meeting_versions,
+)
+from spark_dilation.transfer.rules.protocol import ROLE_LANE as LANE
+from spark_dilation.transfer.rules.protocol import ROLE_SENDER as SENDER
+from spark_dilation.transfer.rules.states import Meet
 from spark_dilation.wormhole import core
 
 SECRET = bytes(range(32))
-PROTOCOL = "spark-dilation/dataset"
-LANE, SENDER = "lane", "sender"
-OTHER = {LANE: SENDER, SENDER: LANE}
+TRANSFER = "5e" * 16
 # Harness.check_at_most_two_sides in one cheap query (it runs after every step): the
 # nameplates and mailboxes with more than two side rows.
+# A stranger's side (the server keeps a crowded claim's row) is not counted.
 CROWDED = """
 SELECT 'nameplate' AS kind, nameplates_id AS id, COUNT(*) AS sides FROM nameplate_sides
- GROUP BY nameplates_id HAVING COUNT(*) > 2
+ WHERE side != :stranger GROUP BY nameplates_id HAVING COUNT(*) > 2
 UNION ALL
-SELECT 'mailbox', mailbox_id, COUNT(*) FROM mailbox_sides GROUP BY mailbox_id HAVING COUNT(*) > 2
+SELECT 'mailbox', mailbox_id, COUNT(*) FROM mailbox_sides WHERE side != :stranger
+ GROUP BY mailbox_id HAVING COUNT(*) > 2
 """
+STRANGER_SIDE = "stranger00"
 PRUNE_OLD = 11 * 60  # the server's "old": 11 minutes (server.py, AppNamespace.prune)
 
 
-def entry(role: str, door: Door) -> dict:
-    return {
-        "role": role,
-        "lane": door.lane,
-        "epoch": door.epoch,
-        "sender": door.sender,
-        "attempt": door.attempt,
-    }
-
-
 class Claim:
-    """One wormhole on one door: a harness client and what became of it."""
+    """One wormhole on one door, as ``meet()`` makes it, and its side's machine."""
 
-    def __init__(self, world: World, door: Door, role: str, owner: object) -> None:
-        self.door, self.role, self.owner = door, role, owner
+    def __init__(self, world: World, door: Door, role: str, owner: object, machine: object) -> None:
+        self.door, self.role, self.owner, self.machine = door, role, owner, machine
         self.code = door.code(SECRET)
         self.nameplate = self.code.split("-")[0]
         world.issued.add(self.nameplate)
         n = next(world._sides)
+        self.ours = meeting_versions(TRANSFER, role, door)
         self.client = world.h.client(
             f"{role[0]}{door.lane}.{door.epoch}.{door.sender}.{door.attempt}#{n}",
             side=f"{n:010d}",
-            versions={"app_versions": {PROTOCOL: entry(role, door)}},
+            versions={"app_versions": self.ours},
+            guard_door=True,
         )
         self.client.set_code(self.code)
         self.killed = False
-        self.noted = False  # its GotVersions was seen by the world
-        self.seen = 0  # events looked at so far
+        self.cancelled = False  # its meeting gave it up (meet()'s cancel)
+        self.ended = False  # its outcome went to its machine
+        self.lost = False  # a pairing whose wormhole failed afterwards
+        self.outcome: Outcome | None = None
 
     @property
     def versions(self) -> bool:
@@ -89,6 +103,23 @@ class Claim:
     @property
     def live(self) -> bool:
         return not self.killed and not self.client.core.closing
+
+    def end(self) -> tuple[Outcome, str] | None:
+        """How the claim ended, classified as ``meet()`` does; None while it waits."""
+        if self.cancelled:
+            return Outcome.CANCELLED, "cancelled"
+        got = self.client.got(core.GotVersions)
+        if got:
+            return claim_outcome(self.ours, theirs=got[0].app_versions)
+        closed = self.client.got(core.Closed)
+        if closed and closed[0].error is not None:
+            return claim_outcome(self.ours, error=closed[0].error)
+        return None
+
+    def cancel(self) -> None:
+        """``meet()``'s cancel: close the wormhole; the meeting moves on at once."""
+        self.cancelled = True
+        self.close()
 
     def close(self) -> None:
         if self.live:
@@ -104,15 +135,17 @@ class LaneHost:
         self.state = DirectoryState()
         self.claims: list[Claim] = []
         self.slow_attempts: set[int] = set()
+        self.left: list[tuple[Door, Outcome, str]] = []  # doors it stopped waiting at
 
     def hear(self, message: dict) -> None:
-        """A directory message: open one door per newly named sender."""
+        """A directory message: open one door per newly named sender (lane._learn)."""
         new, _ = self.state.merge(message)
         for door in self.doors.learn(new):
-            self.open(door)
+            self.open(LaneDoor(self.doors, door))
 
-    def open(self, door: Door) -> Claim:
-        claim = Claim(self.world, door, LANE, self)
+    def open(self, machine: LaneDoor) -> Claim:
+        door = machine.door
+        claim = Claim(self.world, door, LANE, self, machine)
         if door.attempt in self.slow_attempts:  # a slow host: this claim waits
             self.world.h.hold(claim.client)
         assert door not in self.world.lane_claims, f"door {door} opened twice"
@@ -121,63 +154,95 @@ class LaneHost:
         self.world.claims.append(claim)
         return claim
 
-    def paired(self, claim: Claim) -> None:
-        nxt = self.doors.paired(claim.door)
-        assert nxt == Door(
-            claim.door.lane, claim.door.epoch, claim.door.sender, claim.door.attempt + 1
-        )
-        self.open(nxt)
+    def claimed(self, claim: Claim, outcome: Outcome, why: str) -> None:
+        """The claim ended: what lane._door does, as the lane door table says."""
+        step = claim.machine.claimed(outcome)
+        if step is LaneStep.NEXT:
+            self.open(claim.machine)  # its door is the sender's next one now
+        else:
+            self.left.append((claim.door, outcome, why))
 
     def kill(self) -> None:
-        """The process dies: its connections drop, nothing is closed."""
+        """The process dies: its connections drop, nothing is closed, nothing reconnects."""
         for claim in self.claims:
             if claim.client.connected:
                 claim.client.disconnect()
             claim.killed = True
+            self.world.h.clients.remove(claim.client)
 
 
 class SenderProc:
-    """One sending process: an id from the writing end and its connections' claims."""
+    """One sending process: an id from the writing end, its view of the directory, and
+    its connections' meetings (the pool's meeting threads)."""
 
     def __init__(self, world: World) -> None:
         self.world = world
         self.id = world.ids.issue()
-        self.doors = SenderDoors(self.id)
         self.state = DirectoryState()
+        self.doors = SenderDoors(self.id)
+        self.meetings: list[SenderMeeting] = []
         self.claims: list[Claim] = []
-        self.waiting: list[int] = []  # connections wanting a lane of unknown epoch
+        self.failed: list[tuple[int, str]] = []  # (lane, why) of meetings that ended
 
     def hear(self, message: dict) -> None:
-        """A directory message: connections on a re-hosted lane are stale; close and
-        connect again at the new epoch."""
+        """A directory message, as SenderView.update takes it; then what the pool does:
+        a claim whose meeting is stale is cancelled (meet() polls it) and the meeting
+        moves on; a lane re-hosted under a pooled connection is met again (_rehosted)."""
         _, risen = self.state.merge(message)
         stale = self.doors.epochs(risen)
-        for lane in stale:
-            for claim in list(self.claims):  # connect() adds the new epoch's claims
-                if claim.door.lane == lane and claim.door.epoch < stale[lane] and claim.live:
-                    claim.close()
+        for claim in list(self.claims):
+            m = claim.machine
+            if claim.ended or not claim.live or m.state is not Meet.CLAIMING:
+                continue
+            if m.door == claim.door and m.stale():
+                claim.cancel()
+                self.claimed(claim, Outcome.CANCELLED, "stale")
+        for lane, epoch in stale.items():
+            for claim in list(self.claims):
+                m = claim.machine
+                if m.state is Meet.MET and m.lane == lane and claim.door.epoch < epoch:
+                    claim.close()  # the pool swaps its connection when the new one pairs
                     self.connect(lane)
-            for waiting in [w for w in self.waiting if w == lane]:
-                self.waiting.remove(waiting)
-                self.connect(lane)
+        for m in self.meetings:
+            if m.state is Meet.WAITING:
+                self.claim_next(m)
 
     def connect(self, lane: int) -> Claim | None:
-        """A new connection to ``lane``: claim the door the rules hand out."""
-        door = self.doors.want(lane)
-        if door is None:
-            self.waiting.append(lane)
+        """A new connection to ``lane`` (a pool's meeting): claim the door it hands out."""
+        m = SenderMeeting(lane, self.state, self.doors, f"lane {lane}")
+        self.meetings.append(m)
+        return self.claim_next(m)
+
+    def claim_next(self, m: SenderMeeting) -> Claim | None:
+        try:
+            door = m.next_door()
+        except MeetingEnded as e:
+            self.failed.append((m.lane, str(e)))
             return None
-        claim = Claim(self.world, door, SENDER, self)
+        if door is None:
+            return None  # the lane's epoch is unknown: the directory's push wakes it
+        claim = Claim(self.world, door, SENDER, self, m)
         self.claims.append(claim)
         self.world.claims.append(claim)
         return claim
+
+    def claimed(self, claim: Claim, outcome: Outcome, why: str) -> None:
+        """The claim ended: what the pool's meeting does, as the sender meeting table says."""
+        claim.ended, claim.outcome = True, outcome
+        step = claim.machine.claimed(outcome, stopped=False)
+        if step is Step.CLOSE_NEXT:
+            claim.close()
+        if step in (Step.NEXT, Step.CLOSE_NEXT):
+            self.claim_next(claim.machine)
+        elif step is Step.FAIL:
+            self.failed.append((claim.door.lane, why))
 
 
 class World:
     """The directory (both halves), lane hosts, senders, and the harness they meet on."""
 
-    def __init__(self, *, seed: int = 0, lanes: int = 1) -> None:
-        self.h = Harness(seed=seed)
+    def __init__(self, *, seed: int = 0, lanes: int = 1, faults=None) -> None:
+        self.h = Harness(seed=seed, faults=faults)
         self.t0 = self.h.clock.seconds()
         self.ids = SenderIds()
         self.epochs = LaneEpochs(lanes)
@@ -220,42 +285,55 @@ class World:
 
     def check(self) -> None:
         """After every step: the invariants, then the hosts' and senders' reactions."""
-        crowded = self.h.db.execute(CROWDED).fetchall()
+        crowded = self.h.db.execute(CROWDED, {"stranger": STRANGER_SIDE}).fetchall()
         assert not crowded, f"nameplates or mailboxes with more than two sides: {crowded}"
         names = {r["name"] for r in self.h.db.execute("SELECT name FROM nameplates")}
         assert names <= self.issued, f"nameplates the directory never issued: {names - self.issued}"
         self.react()
 
     def react(self) -> None:
-        for claim in self.claims:
-            events = claim.client.events
-            if claim.noted or len(events) == claim.seen:
+        """Each claim that ended goes to its side's machine (once). A sender's pairing
+        whose wormhole, or the lane's of that door, then fails (a stranger's row crowded
+        the mailbox at a reopen) is a connection that fails (Dilation never comes up,
+        or goes down for good): the pool evicts it and its next caller meets the lane
+        again on a new meeting (``ConnectionPool.get``)."""
+        for claim in list(self.claims):
+            if claim.killed:
                 continue
-            claim.seen = len(events)
-            if not any(isinstance(e, core.GotVersions) for e in events):
+            if claim.ended:
+                if claim.role == SENDER and claim.outcome is Outcome.PAIRED and not claim.lost:
+                    lane_side = self.lane_claims.get(claim.door)
+                    if failed(claim) or (lane_side is not None and failed(lane_side)):
+                        claim.lost = True
+                        claim.owner.connect(claim.door.lane)
                 continue
-            claim.noted = True
-            (got,) = claim.client.got(core.GotVersions)
-            theirs = got.app_versions.get(PROTOCOL)
-            assert theirs == entry(OTHER[claim.role], claim.door), (claim.door, theirs)
-            if claim.role == LANE:
-                claim.owner.paired(claim)
-            else:
-                assert claim.owner.doors.paired(claim.door), f"stale pairing {claim.door}"
-            self.pairings = [
-                c.door
-                for c in self.claims
-                if c.role == SENDER and c.noted and self.lane_claims[c.door].noted
-            ]
+            end = claim.end()
+            if end is None:
+                continue
+            outcome, why = end
+            if outcome is Outcome.PAIRED:  # never a stranger's or a stale door's versions
+                (got,) = claim.client.got(core.GotVersions)
+                peer = LANE if claim.role == SENDER else SENDER
+                assert got.app_versions == meeting_versions(TRANSFER, peer, claim.door)
+            claim.ended, claim.outcome = True, outcome
+            claim.owner.claimed(claim, outcome, why)
+        self.pairings = [
+            c.door
+            for c in self.claims
+            if c.role == SENDER
+            and c.outcome is Outcome.PAIRED
+            and self.lane_claims[c.door].outcome is Outcome.PAIRED
+        ]
 
     # --- running ----------------------------------------------------------------------
 
-    def run(self, seed: int | None = None) -> int:
+    def run(self, seed: int | None = None, max_steps: int = 10_000) -> int:
         if seed is None:
-            steps = self.h.run_until_quiet(check=self.check)
+            steps = self.h.run_until_quiet(max_steps, check=self.check)
         else:
-            steps = self.h.run_random(seed, check=self.check)
-        self.h.check_at_most_two_sides()  # the harness's own query agrees
+            steps = self.h.run_random(seed, max_steps, check=self.check)
+        if not any(c.core is not None and c.core.side == STRANGER_SIDE for c in self.h.clients):
+            self.h.check_at_most_two_sides()  # the harness's own query agrees
         return steps
 
     def fake_seconds(self) -> float:
@@ -272,6 +350,11 @@ class World:
             if not claim.killed:
                 assert claim.client.got(core.Closed), claim.door
         return steps
+
+
+def failed(claim: Claim) -> bool:
+    """The claim's wormhole ended with an error (after a pairing: its connection fails)."""
+    return any(c.error is not None for c in claim.client.got(core.Closed))
 
 
 def report(name: str, **figures: object) -> None:
@@ -596,3 +679,143 @@ def test_a_claim_that_met_a_slow_lane_host_is_never_given_up(timing):
         raise NeverPairs(f"{TIMINGS[timing]}: {e}") from e
     if not again.versions:
         raise NeverPairs(f"{TIMINGS[timing]}; the host waits on {host.doors.open_doors()}")
+
+
+# --- 6. three senders, two lanes (one re-hosted), under seeded faults ---------------------
+
+
+WRONG = "1-a-strangers-password"
+FAULT_SEEDS = 500
+
+
+def faulty_transfer(seed: int) -> tuple[str, World, Faults]:
+    """One transfer's meetings under ``seed``'s faults: lanes 0 and 1 hosted at epoch 0,
+    3 sending processes each connecting to both lanes, in a seeded order with random
+    frames between; lane 1's host dies at a random frame and the lane is re-hosted
+    (epoch 1). Faults: each delivered frame may drop a random connection, connection
+    tries are refused at random, the server restarts once (with or without its
+    database), and in some seeds a stranger with another password claims the first
+    door of sender 0 on lane 0 (a forced collision). Frames go in a seeded order.
+
+    Returns the outcome: "paired" (every sender paired with lane 0 at epoch 0 and with
+    lane 1 at epoch 1, exactly once each); a meeting left waiting whose wormhole knows
+    the server lost its state (the pool's deadline names that cause, ``lost_state``);
+    or the stranger case still open (see below). Anything else fails with the seed's
+    fault log."""
+    rng = random.Random(seed)
+    faults = Faults(
+        seed=seed,
+        drop=rng.choice([0.0, 0.01, 0.03]),
+        refuse=rng.choice([0.0, 0.3]),
+        restart_at=rng.randrange(1, 400) if rng.random() < 0.7 else None,
+        keep_db=rng.random() < 0.5,
+    )
+    w = World(seed=seed, lanes=2, faults=faults)
+    epochs = [w.host(0), w.host(1)]
+    starts: list[object] = ["host0", "host1", *range(3)]
+    rng.shuffle(starts)
+    hosts: dict[int, LaneHost] = {}
+    procs: list[SenderProc] = []
+
+    def random_steps(n: int) -> None:
+        for _ in range(n):
+            ready = w.h.deliverable()
+            if not ready:
+                return
+            w.h.step(rng.choice(ready))
+            w.check()
+
+    for start in starts:
+        if start == "host0":
+            hosts[0] = w.start_host(0, epochs[0])
+        elif start == "host1":
+            hosts[1] = w.start_host(1, epochs[1])
+        else:
+            proc = w.sender()
+            procs.append(proc)
+            for lane in rng.sample([0, 1], 2):
+                proc.connect(lane)
+        random_steps(rng.randrange(30))
+    stranger = None
+    if rng.random() < 0.3:
+        door = Door(0, epochs[0], procs[0].id, 0)
+        stranger = w.h.client("stranger", side=STRANGER_SIDE, guard_door=True)
+        stranger.set_code(door.code(SECRET).split("-")[0] + "-" + WRONG.split("-", 1)[1])
+        faults.log.append(f"step {w.h.steps}: a stranger claimed {door}")
+    random_steps(rng.randrange(200))
+    faults.log.append(f"step {w.h.steps}: lane 1's host killed, the lane re-hosted")
+    hosts[1].kill()
+    hosts[1] = w.start_host(1, w.host(1))
+    w.run(seed, max_steps=100_000)
+
+    wanted = {(p.id, 0, 0) for p in procs} | {(p.id, 1, 1) for p in procs}
+    # Pairings whose connection still stands (one that failed afterwards, when a
+    # stranger's row crowded the mailbox at a reopen, was met again on the next door).
+    got = [
+        (d.sender, d.lane, d.epoch)
+        for d in w.pairings
+        if not any(failed(c) for c in w.claims if c.door == d and not c.killed)
+    ]
+    for p in procs:
+        assert not p.failed, (seed, p.failed, faults.log)
+    assert len(got) == len(set(got)), (seed, "a sender paired twice with a lane", got)
+    if stranger is not None:
+        assert not stranger.got(core.GotVersions), (seed, "a stranger paired", faults.log)
+    if set(got) >= wanted:
+        assert set(got) == wanted | {g for g in got if g[2] == 0 and g[1] == 1}, got
+        return "paired", w, faults
+    # Who waits: the meetings of the missing pairs, and their wormholes' causes.
+    waiting = [
+        c
+        for c in w.claims
+        if c.live and not c.ended and c.role == SENDER
+        and (c.door.sender, c.door.lane, c.door.epoch) in wanted - set(got)
+    ]  # fmt: skip
+    assert waiting, (seed, "a missing pairing with nobody waiting", faults.log)
+    if all(lost_state(c.client.core) for c in waiting):
+        assert not faults.keep_db, (seed, "a server that kept its database stranded", faults.log)
+        return "stranded by a restart that lost the database (named)", w, faults
+    # Still open (issue 42): the stranger crowded one side out of the first door, and
+    # was itself crowded before its PAKE reached the other. The side that saw it moved
+    # on (SPOILED); the other waits on the first door alone, never told, until its
+    # deadline (a sender's lane_start_timeout does not name the stranger then).
+    first = Door(0, epochs[0], procs[0].id, 0)
+    assert stranger is not None and wanted - set(got) == {(first.sender, 0, 0)}, (seed, faults.log)
+    sides = [c for c in w.claims if c.door == first]
+    assert any(c.outcome is Outcome.SPOILED for c in sides), (seed, faults.log)
+    return "stranded by a stranger one side never saw (not named)", w, faults
+
+
+def test_three_senders_two_lanes_one_rehosted_under_seeded_faults(fast_pake):
+    """500 seeds (see faulty_transfer). A server that keeps its database never strands a
+    meeting; one restarted without it strands only meetings caught mid-PAKE, and those
+    know why."""
+    started = time.perf_counter()
+    outcomes: dict[str, int] = {}
+    seen: dict[str, int] = {}
+    steps, fake, most, remet = 0, 0.0, 0, 0
+    for seed in range(FAULT_SEEDS):
+        outcome, w, faults = faulty_transfer(seed)
+        outcomes[outcome] = outcomes.get(outcome, 0) + 1
+        remet += sum(c.lost for c in w.claims)
+        steps += w.h.steps
+        most = max(most, w.h.steps)
+        fake += w.fake_seconds()
+        for line in faults.log:
+            kind = line.split(": ", 1)[1].split(" of ")[0]
+            kind = "server restart" if kind.startswith("server restart") else kind
+            kind = "stranger" if kind.startswith("a stranger") else kind
+            seen[kind] = seen.get(kind, 0) + 1
+    assert outcomes.get("paired", 0) >= FAULT_SEEDS * 0.8, outcomes
+    for kind in ("dropped the connection", "refused a connection", "server restart", "stranger"):
+        assert seen.get(kind, 0) >= 50, seen
+    report(
+        f"3 senders, 2 lanes, lane 1 re-hosted, {FAULT_SEEDS} seeds under faults",
+        outcomes=outcomes,
+        faults=seen,
+        connections_met_again=remet,
+        steps=steps,
+        most_steps=most,
+        fake_seconds=round(fake, 3),
+        wall_seconds=round(time.perf_counter() - started, 2),
+    )

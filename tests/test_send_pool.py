@@ -1,5 +1,6 @@
 """The sender pool's meetings against the directory's news (no processes, no server:
-``meet`` is replaced by one that waits for its cancel, as the real one does)."""
+``rendezvous.meet`` is replaced by one that waits for its cancel, as the real one
+does)."""
 
 from __future__ import annotations
 
@@ -16,7 +17,6 @@ from spark_dilation.transfer.meet import rendezvous
 from spark_dilation.transfer.meet.rendezvous import DoorSpoiled, RendezvousCancelled, SenderView
 from spark_dilation.transfer.rules.options import TransferOptions
 from spark_dilation.transfer.rules.spec import TransferSpec
-from spark_dilation.transfer.send import pool as pool_module
 from spark_dilation.transfer.send.pool import ConnectionPool
 
 
@@ -51,7 +51,7 @@ def _stuck_meeting(monkeypatch: pytest.MonkeyPatch, news: dict[str, Any], expect
         waiting.set()
         _wait_for_cancel(cancelled, what)
 
-    monkeypatch.setattr(pool_module, "meet", meet)
+    monkeypatch.setattr(rendezvous, "meet", meet)
     outcome: dict[str, Any] = {}
 
     def get() -> None:
@@ -109,7 +109,7 @@ def test_a_spoiled_door_costs_one_attempt_and_the_deadline_names_the_stranger(
             raise DoorSpoiled(f"a stranger was on the door to {what} (crowded)")
         _wait_for_cancel(cancelled, what)
 
-    monkeypatch.setattr(pool_module, "meet", meet)
+    monkeypatch.setattr(rendezvous, "meet", meet)
     with _lane_0_hosted("ab" * 16) as (spec, _):
         with pytest.raises(TransferError, match="a stranger was on the door to lane 0") as info:
             ConnectionPool().get(spec, 0, deadline=time.monotonic() + 2)
@@ -129,7 +129,7 @@ def test_a_meeting_stranded_by_a_server_that_lost_its_state_says_so(
         started(SimpleNamespace(server_lost_state=True, connection_problem=None))
         _wait_for_cancel(cancelled, what)
 
-    monkeypatch.setattr(pool_module, "meet", meet)
+    monkeypatch.setattr(rendezvous, "meet", meet)
     with _lane_0_hosted("cd" * 16) as (spec, _):
         with pytest.raises(TransferError, match="lost its state meanwhile"):
             ConnectionPool().get(spec, 0, deadline=time.monotonic() + 1)

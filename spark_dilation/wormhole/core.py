@@ -55,11 +55,12 @@ anew with a new mailbox; the core then moves there and adds its PAKE again,
 so the peer's later claim meets it (``server_lost_state`` says it happened).
 Once the peer has been seen a reconnect sends no claim: the pairing is made.
 
-The replay check (also ours): a reopened mailbox that had stored phases of ours
-is followed by a ``ping``; the server replays the mailbox before it answers
-(it handles a connection's frames in order), so by the ``pong`` every phase
-it stored has come back. One that did not means the server lost its state;
-the core adds those phases again, so a peer still in that mailbox gets them.
+The replay check (also ours): a reopened mailbox that had stored phases of ours,
+or of the peer's that we processed, is followed by a ``ping``; the server
+replays the mailbox before it answers (it handles a connection's frames in
+order), so by the ``pong`` every phase it stored has come back. One that did
+not means the server lost its state (``server_lost_state``); the core adds
+its own missing phases again, so a peer still in that mailbox gets them.
 What the harness still strands (a restart that lost the database between one
 side's receiving the other's PAKE and the other's receiving its PAKE: one
 side moves to the nameplate's new mailbox, the other stays) is named:
@@ -70,6 +71,9 @@ nameplate is released only once the key is confirmed, not at the peer's
 first message, and a wrong code (a stranger's PAKE) leaves without releasing
 it or closing our side of the mailbox (the server prunes both in time). A
 door a stranger spoiled so stays crowded for whoever comes to it later.
+A refused ``close`` (on a new connection the server opens the mailbox for the
+close, and a mailbox a stranger crowded refuses that) leaves nothing of ours to
+close: the wormhole ends instead of waiting for a ``closed`` that never comes.
 """
 
 from __future__ import annotations
@@ -288,6 +292,7 @@ class WormholeCore:
         self._added: dict[str, bytes] = {}
         self._echoed: set[str] = set()
         self._replayed: set[str] | None = None  # our phases replayed since the last reopen
+        self._replayed_theirs: set[str] = set()  # ... and the peer's
         self._reopens = 0
         self.server_lost_state = False
         """The server lost its state: a re-claim found our nameplate on a new mailbox, or
@@ -486,6 +491,11 @@ class WormholeCore:
         replayed, self._replayed = self._replayed, None
         if replayed is None or self.closing or self.closed:
             return
+        if self._processed - self._replayed_theirs:
+            # The peer's phases are gone too: if it moved to the nameplate's new
+            # mailbox meanwhile (its re-claim), we cannot follow on this claim. Say so.
+            log.info("the mailbox server lost mailbox %s and the peer's phases", self.mailbox)
+            self.server_lost_state = True
         missing = self._echoed - replayed
         if not missing:
             return
@@ -561,6 +571,11 @@ class WormholeCore:
                 self._claim = None  # a claim refused for another reason holds nothing
         elif orig_type == "open":
             self.mailbox = None  # a refused open holds nothing we can close
+        elif orig_type == "close":
+            # A refused close (the server opens the mailbox for it on a new connection,
+            # and a crowded one refuses that): nothing more of ours to close there, and
+            # waiting for a "closed" that never comes would never end the wormhole.
+            self._mailbox_closed = True
         if self.closing:
             log.info("mailbox server error while closing: %s", msg["error"])
             self._maybe_finish()
@@ -588,6 +603,8 @@ class WormholeCore:
         elif side != self.their_side:
             log.warning("ignoring a mailbox message from a third side %r", side)
             return
+        if self._replayed is not None:
+            self._replayed_theirs.add(phase)
         if phase in self._processed:
             return  # replayed after a reconnect
         self._processed.add(phase)
@@ -640,10 +657,11 @@ class WormholeCore:
         self._mailbox_open = True
         for phase, body in self._pending.items():
             self._tx("add", phase=phase, body=body.hex())
-        if self._echoed - set(self._pending):
-            # A reopen of a mailbox that stored phases of ours: the replay check.
+        if self._echoed - set(self._pending) or self._processed:
+            # A reopen of a mailbox that stored phases of ours or the peer's: the
+            # replay check.
             self._reopens += 1
-            self._replayed = set()
+            self._replayed, self._replayed_theirs = set(), set()
             self._tx("ping", ping=self._replay_marker())
 
     def _add(self, phase: str, body: bytes) -> None:

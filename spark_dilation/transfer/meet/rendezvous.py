@@ -32,8 +32,6 @@ from ...errors import (
     CrowdedError,
     DilationError,
     ServerConnectionError,
-    TransferError,
-    WrongCodeError,
 )
 from ...wormhole.blocking import claim, ensure_reactor, run_and_wait
 from ..rules.directory import (
@@ -47,7 +45,16 @@ from ..rules.directory import (
     rendezvous_appid,
 )
 from ..rules.errors import ProtocolError
-from ..rules.protocol import PROTOCOL, ROLE_LANE, ROLE_SENDER, VERSION, Abort
+from ..rules.meeting import (
+    ROLE_READER,
+    ROLE_WRITER,
+    Outcome,
+    SenderMeeting,
+    Step,
+    claim_outcome,
+    meeting_versions,
+)
+from ..rules.protocol import ROLE_LANE, ROLE_SENDER, Abort
 from ..rules.spec import TransferSpec
 
 log = logging.getLogger(__name__)
@@ -56,11 +63,6 @@ log = logging.getLogger(__name__)
 # stop must not hang on a dead server; the wormhole's own close timeout is longer).
 CLOSE_WAIT = 5.0
 POLL = 0.25
-
-ROLE_READER = "reader"  # the reading end of the directory link
-ROLE_WRITER = "writer"  # the writing end of the directory link
-_OTHER = {ROLE_SENDER: ROLE_LANE, ROLE_LANE: ROLE_SENDER, ROLE_READER: ROLE_WRITER}
-_OTHER[ROLE_WRITER] = ROLE_READER
 
 
 class RendezvousTimeout(DilationError, TimeoutError):
@@ -75,27 +77,6 @@ class DoorSpoiled(DilationError):
 
 class RendezvousCancelled(DilationError):
     """The meeting was cancelled (the lane finished, the epoch rose, the caller gave up)."""
-
-
-def meeting_versions(spec: TransferSpec, role: str, door: Door | None) -> dict[str, Any]:
-    """``app_versions`` of a door (or directory link) wormhole: who we are and which door."""
-    entry: dict[str, Any] = {"version": VERSION, "transfer": spec.transfer_id, "role": role}
-    if door is not None:
-        entry.update(lane=door.lane, epoch=door.epoch, sender=door.sender, attempt=door.attempt)
-    return {PROTOCOL: entry}
-
-
-def _check_peer(ours: dict[str, Any], theirs: dict[str, Any]) -> str:
-    """Why the peer is not the one the directory sent ("" if it is)."""
-    a, b = ours[PROTOCOL], theirs.get(PROTOCOL) if isinstance(theirs, dict) else None
-    if not isinstance(b, dict):
-        return "the peer is not a spark-dilation process"
-    if b.get("role") != _OTHER[a["role"]]:
-        return f"the peer's role is {b.get('role')!r}, not {_OTHER[a['role']]!r}"
-    for key in ("transfer", "lane", "epoch", "sender", "attempt"):
-        if a.get(key) != b.get(key):
-            return f"the peer names {key} {b.get(key)!r}, not {a.get(key)!r}"
-    return ""
 
 
 def meet(
@@ -129,7 +110,7 @@ def meet(
     from ...wormhole.client import Wormhole
 
     ensure_reactor()
-    versions = meeting_versions(spec, role, door)
+    versions = meeting_versions(spec.transfer_id, role, door)
 
     def start() -> tuple[Any, Any]:
         w = Wormhole(
@@ -159,17 +140,44 @@ def meet(
     except BaseException as e:
         claim(waiter)  # its error (the close below) is ours to drop, not crochet's to log
         close_wormhole(w)
-        if door is not None and isinstance(e, CrowdedError | WrongCodeError):
-            # Only two sides ever claim a door: a third is a stranger (or a bug).
+        outcome, _ = claim_outcome(versions, error=e, at_door=door is not None)
+        if outcome is Outcome.SPOILED:
             raise DoorSpoiled(f"a stranger was on the door to {what} ({e})") from e
         if isinstance(e, CrowdedError):
             raise DilationError(f"the door to {what} was crowded: {e}") from e
         raise
-    problem = _check_peer(versions, theirs)
-    if problem:
+    outcome, problem = claim_outcome(versions, theirs=theirs)
+    if outcome is Outcome.NOT_OURS:
         close_wormhole(w)
         raise ProtocolError(f"meeting {what}: {problem}")
     return w
+
+
+def claim_door(
+    spec: TransferSpec,
+    door: Door,
+    role: str,
+    *,
+    cancelled: Callable[[], bool],
+    what: str,
+    started: Callable[[Any], None] = lambda _: None,
+) -> tuple[Outcome, Any]:
+    """:func:`meet` at ``door`` with no deadline, its end as an :class:`Outcome` for the
+    door's machine (:mod:`..rules.meeting`): ``(PAIRED, wormhole)``, else ``(outcome,
+    error)``. The process's own end (``crochet.ReactorStopped``) is raised."""
+    try:
+        return Outcome.PAIRED, meet(
+            spec, door.code(spec.secret), role, door, cancelled=cancelled, what=what,
+            started=started,
+        )  # fmt: skip
+    except RendezvousCancelled as e:
+        return Outcome.CANCELLED, e
+    except DoorSpoiled as e:
+        return Outcome.SPOILED, e
+    except ProtocolError as e:
+        return Outcome.NOT_OURS, e
+    except DilationError as e:
+        return Outcome.FAILED, e
 
 
 def unreachable(w: Any, spec: TransferSpec) -> ServerConnectionError | None:
@@ -486,35 +494,33 @@ class SenderView:
         """The reading end's ``end``, waiting for it until ``deadline``; "" if none came."""
         return _wait_ended(self._cond, self._state, deadline)
 
-    def door(self, lane: int, deadline: float, cancelled: Callable[[], bool], what: str) -> Door:
-        """The door for a new connection to ``lane``, once its epoch is known (blocking)."""
+    def meeting(self, lane: int, what: str) -> SenderMeeting:
+        """A new connection's meeting with ``lane`` (step it through this view)."""
+        return SenderMeeting(lane, self._state, self._doors, what)
+
+    def next_door(
+        self, meeting: SenderMeeting, deadline: float, cancelled: Callable[[], bool]
+    ) -> Door:
+        """The meeting's next door, once the lane's epoch is known (blocking). Raises
+        :class:`~..rules.meeting.MeetingEnded` (the transfer or the lane ended)."""
         with self._cond:
             while True:
-                if self._state.ended:  # first: an ended transfer hands out no attempt
-                    raise TransferError(f"{what}: {self._state.ended}")
-                if why := self._state.lane_ended(lane):
-                    raise TransferError(f"{what} ended on the receiver, with no new host: {why}")
-                door = self._doors.want(lane)
+                door = meeting.next_door()
                 if door is not None:
                     return door
                 if cancelled():
-                    raise RendezvousCancelled(f"stopped waiting for {what}")
+                    raise RendezvousCancelled(f"stopped waiting for {meeting.what}")
                 if time.monotonic() >= deadline:
-                    raise RendezvousTimeout(f"{what} was never hosted by the receiver")
+                    raise RendezvousTimeout(f"{meeting.what} was never hosted by the receiver")
                 self._cond.wait(POLL)
 
-    def epoch(self, lane: int) -> int | None:
+    def stale(self, meeting: SenderMeeting, stopped: bool) -> bool:
         with self._cond:
-            return self._doors.epoch(lane)
+            return meeting.stale(stopped)
 
-    def lane_ended(self, lane: int) -> str:
-        """The error of ``lane`` if the reading end said it ended for good, else ""."""
+    def claimed(self, meeting: SenderMeeting, outcome: Outcome, stopped: bool) -> Step:
         with self._cond:
-            return self._state.lane_ended(lane)
-
-    def paired(self, door: Door) -> bool:
-        with self._cond:
-            return self._doors.paired(door)
+            return meeting.claimed(outcome, stopped)
 
 
 class SenderSet:
@@ -666,6 +672,7 @@ __all__ = [
     "RendezvousTimeout",
     "SenderSet",
     "SenderView",
+    "claim_door",
     "close_wormhole",
     "dilate_paired",
     "forget",

@@ -51,14 +51,7 @@ import pyarrow.ipc as ipc
 from ...dilation.blocking import DilationClosed, DilationTimeout, SubchannelClosed
 from ...dilation.manager import DilationNoPath, DilationReconnectFailed
 from ...errors import DilationError, TransferError
-from ..meet.rendezvous import (
-    DoorSpoiled,
-    Paired,
-    RendezvousCancelled,
-    dilate_paired,
-    meet,
-    sender_set,
-)
+from ..meet.rendezvous import Paired, claim_door, dilate_paired, sender_set
 from ..rules.directory import Door, LaneDoors
 from ..rules.endwait import EndWait
 from ..rules.errors import (
@@ -69,6 +62,7 @@ from ..rules.errors import (
     StagingError,
     TransferAbortedError,
 )
+from ..rules.meeting import LaneDoor, LaneStep, Outcome
 from ..rules.pqformat import FORMAT as PARQUET
 from ..rules.pqformat import ChunkDecoder
 from ..rules.protocol import (
@@ -475,49 +469,58 @@ class LaneReceiver:
         for thread in threads:
             thread.start()
 
-    def _door(self, door: Door | None) -> None:
-        """Wait at ``door`` for its sender; after each pairing, at the sender's next door."""
+    def _door(self, door: Door) -> None:
+        """Wait at ``door`` for its sender; after each pairing, at the sender's next door
+        (the lane door table, rules/meeting.py)."""
         opts = self.spec.options
-        while door is not None and not self._stop.is_set():
+        state = LaneDoor(self._doors, door)
+        while not self._stop.is_set():
+            door = state.door
             what = f"sender {door.sender} of lane {self.lane}"
             try:
-                w = meet(
-                    self.spec, door.code(self.spec.secret), ROLE_LANE, door,
-                    cancelled=self._stop.is_set, what=what,
-                )  # fmt: skip
-                conn = dilate_paired(
-                    Paired(w, door),
-                    relay_url=opts.relay_url,
-                    no_listen=opts.no_listen,
-                    listen=(PARTITION_SUBPROTOCOL, CONTROL_SUBPROTOCOL),
-                    peer_timeout=opts.reconnect_timeout,
-                    timeout=opts.reconnect_timeout,
-                    no_path_timeout=opts.no_path_timeout,
+                outcome, got = claim_door(
+                    self.spec, door, ROLE_LANE, cancelled=self._stop.is_set, what=what
                 )
-            except (RendezvousCancelled, crochet.ReactorStopped):
-                return  # stopped, or the process is exiting (a CLI after its transfer)
-            except DoorSpoiled as e:  # it costs this attempt, not the lane: the next door
-                log.warning("lane %d (epoch %d): %s; next door", self.lane, self.epoch, e)
-                with self._cond:
-                    door = self._doors.spoiled(door)
-                continue
-            except ProtocolError as e:  # not the peer the directory sent: leave this door
-                log.warning("lane %d: %s", self.lane, e)
-                return
-            except DilationError as e:  # mailbox unreachable and the like
-                log.warning("lane %d: meeting %s failed: %s", self.lane, what, e)
-                self._finish(e)
-                return
+                conn = None
+                if outcome is Outcome.PAIRED:
+                    try:
+                        conn = dilate_paired(
+                            Paired(got, door),
+                            relay_url=opts.relay_url,
+                            no_listen=opts.no_listen,
+                            listen=(PARTITION_SUBPROTOCOL, CONTROL_SUBPROTOCOL),
+                            peer_timeout=opts.reconnect_timeout,
+                            timeout=opts.reconnect_timeout,
+                            no_path_timeout=opts.no_path_timeout,
+                        )
+                    except DilationError as e:
+                        outcome, got = Outcome.FAILED, e
+            except crochet.ReactorStopped:
+                return  # the process is exiting (a CLI after its transfer)
             with self._cond:
                 stopped = self._stop.is_set()
-                if not stopped:
+                if conn is not None and stopped:
+                    step = LaneStep.LEAVE
+                else:
+                    step = state.claimed(outcome)  # under the lock: it moves self._doors
+                if conn is not None and not stopped:
                     self._connections.append(conn)
                     self.connections_made += 1
                     self.last_activity = time.monotonic()
-                    door = self._doors.paired(door)
-            if stopped:
+            if conn is not None and stopped:
                 conn.close(timeout=10, linger=0)  # stop() waits for this thread
                 return
+            if step is LaneStep.FAIL:  # mailbox unreachable and the like
+                log.warning("lane %d: meeting %s failed: %s", self.lane, what, got)
+                self._finish(got)
+                return
+            if step is LaneStep.LEAVE:  # stopped, or not the peer the directory sent
+                if outcome is Outcome.NOT_OURS:
+                    log.warning("lane %d: %s", self.lane, got)
+                return
+            if outcome is Outcome.SPOILED:  # it costs this attempt, not the lane
+                log.warning("lane %d (epoch %d): %s; next door", self.lane, self.epoch, got)
+                continue
             log.info("lane %d (epoch %d): %s connected", self.lane, self.epoch, what)
             for name, handler in (
                 (PARTITION_SUBPROTOCOL, self._partition),

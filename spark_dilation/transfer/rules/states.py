@@ -1,4 +1,4 @@
-"""The states of a lane, a sender task and a registry lane, as tables (pure, h11 style).
+"""The states of the transfer's machines, as tables (pure, h11 style).
 
 Each machine is an enum of states, an enum of events and one table of
 ``(state, event) -> next state``: every legal transition is a row, and
@@ -15,6 +15,9 @@ for the current state raises :class:`IllegalTransition`, which names both.
   (:class:`~.pairing.Meeting`).
 * :data:`BATCH`: one micro-batch of a stream on the receiving side
   (:class:`~.ledger.ReceiverLedger`).
+* :data:`SENDER_MEETING`: one connection of a sending process to a lane
+  (:class:`~.meeting.SenderMeeting`).
+* :data:`LANE_DOOR`: a lane host's door for one sender (:class:`~.meeting.LaneDoor`).
 """
 
 from __future__ import annotations
@@ -258,4 +261,72 @@ BATCH: Table[Batch, BatchEvent] = Table(
     frozenset({Batch.FREED}),
 )
 
-TABLES: tuple[Table, ...] = (LANE, SENDER_TASK, REGISTRY_LANE, STREAM_MEETING, BATCH)
+
+# --- a sending process's connection to one lane, and a lane's door for one sender ----------
+
+
+class Meet(Enum):
+    WAITING = "waiting"  # the lane's epoch unknown: no door yet
+    CLAIMING = "claiming"  # a claim on the door the directory's rules handed out
+    MET = "met"  # paired with the lane's current host: the caller dilates
+    ENDED = "ended"  # the transfer or the lane ended, the caller stopped, or it failed
+
+
+class MeetEvent(Enum):
+    DOOR = "door"  # the lane's epoch is known: the next attempt's door
+    PAIRED = "paired"  # the claim paired, and its epoch is still the lane's
+    STALE = "stale"  # the lane's epoch rose (claim cancelled, or a pairing too late)
+    SPOILED = "spoiled"  # a stranger on the door: it costs this attempt
+    ENDED = "ended"  # the transfer ended, the lane ended for good, stopped, or failed
+
+
+SENDER_MEETING: Table[Meet, MeetEvent] = Table(
+    "sender meeting",
+    Meet.WAITING,
+    {
+        (Meet.WAITING, MeetEvent.DOOR): Meet.CLAIMING,
+        (Meet.WAITING, MeetEvent.ENDED): Meet.ENDED,
+        (Meet.CLAIMING, MeetEvent.PAIRED): Meet.MET,
+        (Meet.CLAIMING, MeetEvent.STALE): Meet.WAITING,
+        (Meet.CLAIMING, MeetEvent.SPOILED): Meet.WAITING,
+        (Meet.CLAIMING, MeetEvent.ENDED): Meet.ENDED,
+    },
+    frozenset({Meet.MET, Meet.ENDED}),
+)
+
+
+class DoorState(Enum):
+    OPEN = "open"  # claimed, waiting for its sender at attempt a
+    CLOSED = "closed"  # the lane stopped, the peer was not ours, or the meeting failed
+
+
+class DoorEvent(Enum):
+    PAIRED = "paired"  # the sender came: keep the connection, wait at a + 1
+    SPOILED = "spoiled"  # a stranger on it (a wrong code): wait at a + 1
+    STOPPED = "stopped"  # the lane finished or stopped
+    NOT_OURS = "not ours"  # a confirmed peer the directory did not send
+    FAILED = "failed"  # the mailbox server refused or was lost for good: the lane fails
+
+
+LANE_DOOR: Table[DoorState, DoorEvent] = Table(
+    "lane door",
+    DoorState.OPEN,
+    {
+        (DoorState.OPEN, DoorEvent.PAIRED): DoorState.OPEN,
+        (DoorState.OPEN, DoorEvent.SPOILED): DoorState.OPEN,
+        (DoorState.OPEN, DoorEvent.STOPPED): DoorState.CLOSED,
+        (DoorState.OPEN, DoorEvent.NOT_OURS): DoorState.CLOSED,
+        (DoorState.OPEN, DoorEvent.FAILED): DoorState.CLOSED,
+    },
+    frozenset({DoorState.CLOSED}),
+)
+
+TABLES: tuple[Table, ...] = (
+    LANE,
+    SENDER_TASK,
+    REGISTRY_LANE,
+    STREAM_MEETING,
+    BATCH,
+    SENDER_MEETING,
+    LANE_DOOR,
+)

@@ -43,10 +43,10 @@ from ..meet.rendezvous import (
     Paired,
     RendezvousCancelled,
     SenderView,
+    claim_door,
     close_wormhole,
     dilate_paired,
     lost_state,
-    meet,
     sender_view,
     unreachable,
 )
@@ -59,6 +59,7 @@ from ..rules.errors import (
     ReceiverFailedError,
     TransferAbortedError,
 )
+from ..rules.meeting import Outcome, Step
 from ..rules.protocol import (
     CONTROL_SUBPROTOCOL,
     PARTITION_SUBPROTOCOL,
@@ -225,35 +226,33 @@ class ConnectionPool:
 
         try:
             view = self._view(spec)
+            state = view.meeting(lane, what)  # the sender meeting table (rules/meeting.py)
             while True:
-                door = view.door(lane, float("inf"), stopped, what)
-
-                def stale(door: Door = door) -> bool:
-                    # The writing end's end too (its hub gone, the reading end's abort): a
-                    # meeting of a reused Spark worker must not keep its claim for life.
-                    # So does the lane's end for good: nobody will come to its door.
-                    return (
-                        stopped()
-                        or view.epoch(lane) != door.epoch
-                        or bool(view.ended or view.lane_ended(lane))
-                    )
-
-                try:
-                    w = meet(
-                        spec, door.code(spec.secret), ROLE_SENDER, door, cancelled=stale,
-                        what=what, started=lambda w: setattr(meeting, "wormhole", w),
-                    )  # fmt: skip
-                except RendezvousCancelled:
-                    if stopped():
-                        raise
-                    continue  # the lane was re-hosted meanwhile: its new door
-                except DoorSpoiled as e:  # it costs this attempt: the lane moves on too
-                    log.warning("lane %d of transfer %s: %s; next door", lane, spec.transfer_id, e)
-                    meeting.spoiled = e
+                door = view.next_door(state, float("inf"), stopped)
+                # The claim also ends when the writing end's end comes (its hub gone, the
+                # reading end's abort): a meeting of a reused Spark worker must not keep
+                # its claim for life. So does the lane's end for good, or a new epoch.
+                outcome, got = claim_door(
+                    spec, door, ROLE_SENDER,
+                    cancelled=lambda: view.stale(state, stopped()),
+                    what=what, started=lambda w: setattr(meeting, "wormhole", w),
+                )  # fmt: skip
+                step = view.claimed(state, outcome, stopped())
+                if step is Step.NEXT:
+                    if outcome is Outcome.SPOILED:  # it costs this attempt: the lane moves on
+                        log.warning(
+                            "lane %d of transfer %s: %s; next door", lane, spec.transfer_id, got
+                        )
+                        meeting.spoiled = got
                     continue
-                if not view.paired(door):
-                    close_wormhole(w)
+                if step is Step.CLOSE_NEXT:  # paired, but the lane was re-hosted meanwhile
+                    close_wormhole(got)
                     continue
+                if step is Step.STOP:
+                    raise RendezvousCancelled(f"stopped meeting {what}")
+                if step is Step.FAIL:
+                    raise got
+                w = got
                 paired = Paired(w, door)
                 conn = self._dilate(spec, lane, paired)
                 with self._lock:
