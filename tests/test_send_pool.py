@@ -133,3 +133,41 @@ def test_a_meeting_stranded_by_a_server_that_lost_its_state_says_so(
     with _lane_0_hosted("cd" * 16) as (spec, _):
         with pytest.raises(TransferError, match="lost its state meanwhile"):
             ConnectionPool().get(spec, 0, deadline=time.monotonic() + 1)
+
+
+def test_a_meeting_stopped_by_the_transfers_failure_claims_no_other_door(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """This process's transfer fails (``ConnectionPool.fail``) while a meeting waits at
+    its door: the caller fails with that error, and the meeting ends without claiming
+    another door (a stopped claim is the sender meeting table's STOP, not a re-host)."""
+    attempts: list[int] = []
+    waiting = threading.Event()
+
+    def meet(spec: Any, code: str, role: str, door: Any, *, cancelled: Any, what: str, **_: Any):
+        attempts.append(door.attempt)
+        waiting.set()
+        _wait_for_cancel(cancelled, what)
+
+    monkeypatch.setattr(rendezvous, "meet", meet)
+    outcome: dict[str, Any] = {}
+    pool = ConnectionPool()
+    with _lane_0_hosted("12" * 16) as (spec, _):
+
+        def get() -> None:
+            try:
+                pool.get(spec, 0, deadline=time.monotonic() + 3600)
+            except BaseException as e:
+                outcome["error"] = e
+
+        caller = threading.Thread(target=get, daemon=True)
+        caller.start()
+        assert waiting.wait(10), "the meeting never reached its door"
+        pool.fail(spec.transfer_id, TransferError("the receiver aborted"))
+        caller.join(30)
+        assert not caller.is_alive()
+        assert "the receiver aborted" in str(outcome["error"])
+        meeting = pool._meetings[(spec.transfer_id, 0)]
+        assert meeting.done.wait(10)
+        assert isinstance(meeting.error, RendezvousCancelled), meeting.error
+        assert attempts == [0]

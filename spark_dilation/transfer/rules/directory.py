@@ -77,6 +77,7 @@ LANES = "lanes"
 END = "end"
 ABORT = "abort"
 LANES_ENDED = "lanes_ended"
+SPOILED = "spoiled"
 
 
 def derived_code(secret: bytes, info: str) -> str:
@@ -168,6 +169,8 @@ class DirectoryState:
     # The writing end's abort ({"reason", "cancelled"}, :class:`.protocol.Abort`'s body):
     # the end of the transfer on a path no data is queued on.
     abort: dict[str, Any] | None = None
+    # Doors the other end's side found a stranger on (either half; only grows).
+    spoiled: set[Door] = field(default_factory=set)
 
     def merge(self, message: dict[str, Any]) -> tuple[set[int], dict[int, int]]:
         """Take one directory message; returns (new senders, lanes whose epoch rose).
@@ -194,6 +197,7 @@ class DirectoryState:
             epoch = _non_negative(body.get("epoch"), "epoch")
             if epoch > self.lanes_ended.get(lane, (-1, ""))[0]:
                 self.lanes_ended[lane] = (epoch, str(body.get("error") or "it ended"))
+        self.spoiled |= spoiled_doors(message)
         if message.get(END) and not self.ended:
             self.ended = str(message[END])
         if isinstance(message.get(ABORT), dict) and self.abort is None:
@@ -225,6 +229,24 @@ def lanes_message(
             for lane, (epoch, error) in sorted(ended.items())
         }
     return message
+
+
+def spoiled_message(doors: set[Door] | list[Door]) -> dict[str, Any]:
+    """Either end's: the doors its side found a stranger on (all of them, each message)."""
+    return {SPOILED: sorted([d.lane, d.epoch, d.sender, d.attempt] for d in doors)}
+
+
+def spoiled_doors(message: dict[str, Any]) -> set[Door]:
+    """The doors a directory message says are spoiled (malformed values raise ValueError)."""
+    doors = set()
+    for item in message.get(SPOILED) or ():
+        if not isinstance(item, list) or len(item) != 4:
+            raise ValueError(
+                f"directory: a spoiled door {item!r} is not [lane, epoch, sender, attempt]"
+            )
+        lane, epoch, sender, attempt = (_non_negative(v, "door part") for v in item)
+        doors.add(Door(lane, epoch, sender, attempt))
+    return doors
 
 
 def end_message(reason: str) -> dict[str, Any]:
@@ -268,6 +290,18 @@ class LaneDoors:
         self.lane = lane
         self.epoch = epoch
         self._attempt: dict[int, int] = {}  # sender -> attempt of its open door
+        self.reported: set[Door] = set()  # doors the senders' side found spoiled
+
+    def report(self, doors: set[Door]) -> list[Door]:
+        """The directory says senders found a stranger on ``doors``; the ones open now (their
+        claims are given up, and the next door opened, as by our own spoiled door)."""
+        self.reported |= doors
+        return [d for d in sorted(doors, key=_door_key) if self._is_open(d)]
+
+    def _is_open(self, door: Door) -> bool:
+        return (door.lane, door.epoch) == (self.lane, self.epoch) and self._attempt.get(
+            door.sender
+        ) == door.attempt
 
     def learn(self, senders: set[int] | list[int]) -> list[Door]:
         """Senders the directory named; the doors to open now (one per new sender)."""
@@ -295,6 +329,10 @@ class LaneDoors:
 
     def open_doors(self) -> list[Door]:
         return [Door(self.lane, self.epoch, s, a) for s, a in sorted(self._attempt.items())]
+
+
+def _door_key(door: Door) -> tuple[int, int, int, int]:
+    return door.lane, door.epoch, door.sender, door.attempt
 
 
 class SenderDoors:
@@ -353,4 +391,6 @@ __all__ = [
     "lanes_message",
     "rendezvous_appid",
     "senders_message",
+    "spoiled_doors",
+    "spoiled_message",
 ]

@@ -109,8 +109,8 @@ class SenderMeeting:
     """One connection of a sending process to one lane (the ``sender meeting`` table).
 
     ``directory`` and ``doors`` are the process's, shared by its meetings (the
-    caller serializes calls on them). ``spoiled`` keeps the last stranger's door,
-    for a deadline's message.
+    caller serializes calls on them). ``reported`` keeps the last door the lane's
+    side found a stranger on, for a deadline's message.
     """
 
     lane: int
@@ -119,7 +119,7 @@ class SenderMeeting:
     what: str = "a partition"
     state: Meet = Meet.WAITING
     door: Door | None = None
-    spoiled: str = ""
+    reported: Door | None = None
 
     def _to(self, event: MeetEvent) -> None:
         self.state = SENDER_MEETING.next(self.state, event)
@@ -146,12 +146,19 @@ class SenderMeeting:
 
     def stale(self, stopped: bool = False) -> bool:
         """CLAIMING: give the claim up now? The caller stopped, the lane's epoch rose (its
-        new host opens a new door), or the transfer or the lane ended: nobody will come."""
+        new host opens a new door), the transfer or the lane ended (nobody will come), or
+        the lane's side found a stranger on the door (the directory said so)."""
         assert self.door is not None
-        return stopped or self.doors.epoch(self.lane) != self.door.epoch or bool(self.ended())
+        return (
+            stopped
+            or self.doors.epoch(self.lane) != self.door.epoch
+            or self.door in self.directory.spoiled
+            or bool(self.ended())
+        )
 
-    def claimed(self, outcome: Outcome, why: str = "", stopped: bool = False) -> Step:
-        """CLAIMING: the claim ended with ``outcome``; what the caller does now."""
+    def claimed(self, outcome: Outcome, stopped: bool = False) -> Step:
+        """CLAIMING: the claim ended with ``outcome`` (``stopped``: the caller stopped it);
+        what the caller does now."""
         assert self.door is not None
         match outcome:
             case Outcome.PAIRED if self.doors.paired(self.door):
@@ -161,7 +168,10 @@ class SenderMeeting:
                 self._to(MeetEvent.STALE)
                 return Step.CLOSE_NEXT
             case Outcome.SPOILED:  # it costs this attempt: the lane moves on too
-                self.spoiled = f"{why} (door {self.door.attempt} of lane {self.lane})"
+                self._to(MeetEvent.SPOILED)
+                return Step.NEXT
+            case Outcome.CANCELLED if not stopped and self.door in self.directory.spoiled:
+                self.reported = self.door  # the lane saw a stranger there: as if we had
                 self._to(MeetEvent.SPOILED)
                 return Step.NEXT
             case Outcome.CANCELLED if not stopped:  # the lane was re-hosted: its new door
@@ -193,7 +203,11 @@ class LaneDoor:
     state: DoorState = DoorState.OPEN
 
     def claimed(self, outcome: Outcome) -> LaneStep:
-        """The claim on :attr:`door` ended with ``outcome``; :attr:`door` is the next one."""
+        """The claim on :attr:`door` ended with ``outcome``; :attr:`door` is the next one.
+        A claim given up because the senders' side found a stranger on the door (the
+        directory's ``spoiled``) is a spoiled door here too."""
+        if outcome is Outcome.CANCELLED and self.door in self.doors.reported:
+            outcome = Outcome.SPOILED
         event = {
             Outcome.PAIRED: DoorEvent.PAIRED,
             Outcome.SPOILED: DoorEvent.SPOILED,
