@@ -13,6 +13,7 @@ sender's next meeting on ``a + 1``), a transfer stalled or aborted.
 from __future__ import annotations
 
 import contextlib
+import json
 import socket
 import subprocess
 import sys
@@ -24,6 +25,7 @@ from typing import Any
 
 import pyarrow as pa
 import pytest
+from autobahn.twisted.websocket import WebSocketClientProtocol
 from reactor_helpers import failure_of, reactor, reactor_test, sleep
 from twisted.internet import threads
 
@@ -395,3 +397,89 @@ def meet_stranger(spec: TransferSpec, code: str) -> Any:
     w, key = run_and_wait(start, timeout=30, on_timeout=lambda: TimeoutError("start"))
     key.wait(30)  # its PAKE went out and the lane's came back: the lane has ours too
     return w
+
+
+class _SilentStranger(WebSocketClientProtocol):
+    """A raw mailbox client that binds, claims a nameplate and opens its mailbox, and
+    never sends a PAKE: it hears who comes (``factory.heard``)."""
+
+    def onOpen(self) -> None:
+        f = self.factory
+        bind = {"type": "bind", "appid": f.appid, "side": "stranger00"}
+        self.sendMessage(json.dumps(bind).encode())
+        self.sendMessage(json.dumps({"type": "claim", "nameplate": f.nameplate}).encode())
+
+    def onMessage(self, payload: bytes, isBinary: bool) -> None:
+        message = json.loads(payload)
+        self.factory.heard.append(message)
+        if message.get("type") == "claimed":
+            opening = {"type": "open", "mailbox": message["mailbox"]}
+            self.sendMessage(json.dumps(opening).encode())
+
+
+@pytest.mark.parametrize("second", ["lane", "sender"])
+def test_a_silent_stranger_on_a_door_costs_one_attempt_not_the_transfer(
+    mailbox_url: str,
+    relay_url: str,
+    tmp_path: Path,
+    monkeypatch: pytest.MonkeyPatch,
+    second: str,
+) -> None:
+    """A stranger (a forced collision: it knows the door) claims lane 0's first door for
+    the writing end's own sender before either side, opens the mailbox and never sends
+    a PAKE. ``second`` (the lane, or the sender) claims next and waits there with it,
+    never seeing it; the other side claims third and is crowded. The crowded side
+    reports the door through the directory (the sender's hub to the reading end, or
+    back), so the side that never saw the stranger gives the door up too, and both
+    meet on the next attempt: the rows arrive exact. Before, the second side waited on
+    the door for good, and the sender failed at ``lane_start_timeout``."""
+    from autobahn.twisted.websocket import WebSocketClientFactory
+    from twisted.internet import endpoints
+
+    from spark_dilation.transfer.meet import rendezvous
+    from spark_dilation.transfer.receive import lane as lane_module
+    from spark_dilation.transfer.send import pool as pool_module
+
+    appid = rendezvous.rendezvous_appid
+    port = int(mailbox_url.rsplit(":", 1)[1].split("/")[0])
+    factory = WebSocketClientFactory(mailbox_url)
+    factory.protocol = _SilentStranger
+    factory.heard = []
+
+    def first_use(secret: bytes, private: bool) -> str:
+        # The transfer's first meeting (its directory link) starts here, in the reactor:
+        # the stranger's claim goes out ahead of every door's.
+        value = appid(secret, private)
+        if not hasattr(factory, "appid"):
+            factory.appid = value
+            factory.nameplate = Door(0, 0, 0, 0).code(secret).split("-")[0]
+            endpoints.TCP4ClientEndpoint(reactor(), "127.0.0.1", port).connect(factory)
+        return value
+
+    def pakes() -> int:
+        return sum(m.get("type") == "message" and m.get("phase") == "pake" for m in factory.heard)
+
+    def ordered(role: str, real: Any) -> Any:
+        def claim_door(spec: TransferSpec, door: Door, *args: Any, **kwargs: Any) -> Any:
+            if door == Door(0, 0, 0, 0):  # the stranger first; then `second`; then us
+                wait_until("the stranger's claim", lambda: factory.heard, 30, interval=0.02)
+                if role != second:
+                    wait_until(f"the {second}'s PAKE", lambda: pakes() >= 1, 30, interval=0.02)
+            return real(spec, door, *args, **kwargs)
+
+        return claim_door
+
+    monkeypatch.setattr(rendezvous, "rendezvous_appid", first_use)
+    monkeypatch.setattr(lane_module, "claim_door", ordered("lane", lane_module.claim_door))
+    monkeypatch.setattr(pool_module, "claim_door", ordered("sender", pool_module.claim_door))
+    opts = {"mailbox": mailbox_url, "relay": relay_url, "staging_dir": str(tmp_path / "st")}
+    table = _table(20_000)
+    sender, thread, box = send_in_background(table, lane_start_timeout=60, **opts)
+    got = receive_dataset(sender.code, lanes=1, peer_timeout=120, **opts)
+    thread.join(60)
+    assert not thread.is_alive(), "the sender did not finish"
+    assert "error" not in box, box
+    assert got.table is not None and got.table.equals(table), "rows differ"
+    # The stranger held the door with the second side only: never crowded itself.
+    assert [m["type"] for m in factory.heard if m["type"] == "error"] == [], factory.heard
+    assert pakes() == 1, factory.heard

@@ -205,11 +205,14 @@ def receive_agreed(
     delivery = _Delivery()
     receivers = _start_lanes(spec, delivery)  # the transfer's staging is ours from here
     # The reading end of the transfer's directory: every lane here, epoch 0.
+    senders = sender_set(spec.transfer_id)
     reading = ReadingEnd(
         spec,
-        sender_set(spec.transfer_id).add,
+        senders.add,
         on_abort=lambda abort: [r.sender_ended(abort, linger=0) for r in receivers],
+        on_spoiled=senders.spoil,
     )
+    senders.tell_spoiled = reading.report_spoiled
     reading.publish(dict.fromkeys(range(spec.lanes), 0))
     try:
         try:

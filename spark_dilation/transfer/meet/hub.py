@@ -15,9 +15,13 @@ cluster's own network, at the address in the spec (``TransferSpec.hub``), as
 lane hosts reach the registry: frames are :mod:`..link` frames under a key
 derived from the transfer secret::
 
-    process -> hub: {"hello": 1}, then {"ping": 1} every 2 s
+    process -> hub: {"hello": 1}, then {"ping": 1} every 2 s, {"spoiled": [[l, e, s, a]]}
     hub -> process: {"sender": S, "lanes": {...}}, then {"lanes": {...}} | {"end": why}
-                    whenever they change, {"ping": 1}
+                    | {"spoiled": [...]} whenever they change, {"ping": 1}
+
+``spoiled`` names doors a side found a stranger on (:mod:`..rules.meeting`): a
+sending process's go to the reading end in our half, the lanes' come back to
+every sending process, so the side that never saw the stranger moves on too.
 
 A process keeps its link (and id) for as long as it sends for the transfer; a
 new process gets a new id, never one given before.
@@ -49,11 +53,15 @@ from ..rules.directory import (
     END,
     LANES,
     LANES_ENDED,
+    SPOILED,
     DirectoryState,
+    Door,
     SenderIds,
     abort_message,
     lanes_message,
     senders_message,
+    spoiled_doors,
+    spoiled_message,
 )
 from ..rules.errors import LinkError
 from ..rules.protocol import Abort
@@ -97,8 +105,10 @@ class SenderHub:
         self._clients: set[BoxLink] = set()
         self._closed = threading.Event()
         self._abort: dict[str, Any] = {}  # our abort or end, once told: part of our half
+        self._spoiled: set[Door] = set()  # doors our senders found a stranger on
         self.view = SenderView(spec.transfer_id, self._ids.issue())
         self.view.tell_abort = self.tell_abort
+        self.view.tell_spoiled = self.add_spoiled
         register_view(self.view)
         self.link = DirectoryLink(spec, ROLE_WRITER, self._from_reader, self._link_ended)
         self.link.send(self._half())
@@ -118,7 +128,20 @@ class SenderHub:
 
     def _half(self) -> dict[str, Any]:
         """Our half of the directory, whole (under the lock, or before the link starts)."""
-        return {**senders_message(self._ids.issued), **self._abort}
+        half = {**senders_message(self._ids.issued), **self._abort}
+        if self._spoiled:
+            half.update(spoiled_message(self._spoiled))
+        return half
+
+    def add_spoiled(self, doors: set[Door]) -> None:
+        """A sending process found a stranger on ``doors``: tell the reading end (its lane,
+        who may never have seen the stranger, moves on to the next door too)."""
+        with self._lock:
+            if doors <= self._spoiled:
+                return
+            self._spoiled |= doors
+            half = self._half()
+        self.link.send(half)
 
     def tell_abort(self, abort: Abort) -> None:
         """Tell the reading end the transfer is over, through the mailbox: ahead of the
@@ -132,17 +155,20 @@ class SenderHub:
         message = lanes_message(self._state.epochs, self._state.lanes_ended)
         if self._state.ended:
             message[END] = self._state.ended
+        if self._state.spoiled:
+            message.update(spoiled_message(self._state.spoiled))
         return message
 
     def _from_reader(self, message: dict[str, Any]) -> None:
         with self._lock:
             told = self._state.abort
+            spoiled = spoiled_doors(message) - self._state.spoiled
             _, risen = self._state.merge(message)
             news = self._news()
             clients = list(self._clients)
             heard = told is None and self._state.abort is not None
         self.view.update(message)
-        if risen or message.get(END) or message.get(LANES_ENDED):
+        if risen or spoiled or message.get(END) or message.get(LANES_ENDED):
             for client in clients:
                 with contextlib.suppress(LinkError):
                     client.send_json(news)
@@ -179,7 +205,9 @@ class SenderHub:
             log.info("transfer %s: sender %d joined", self.spec.transfer_id, sender)
             keep_alive(link, PING, stop)
             while not self._closed.is_set():
-                link.recv_json(SILENCE)  # pings; a silent or closed link is a process gone
+                message = link.recv_json(SILENCE)  # pings; silent or closed: a process gone
+                if SPOILED in message:
+                    self.add_spoiled(spoiled_doors(message))
         except (LinkError, ValueError) as e:
             if not self._closed.is_set():
                 log.info("transfer %s: sender %d left: %s", self.spec.transfer_id, sender, e)
@@ -211,6 +239,7 @@ class HubClient:
         self._link = link
         self.view = SenderView(spec.transfer_id, int(first["sender"]))
         self.view.update(first)
+        self.view.tell_spoiled = self._tell_spoiled
         self._stop = threading.Event()
         keep_alive(link, PING, self._stop)
         threading.Thread(target=self._read, name="hub-link", daemon=True).start()
@@ -240,11 +269,15 @@ class HubClient:
         try:
             while not self._stop.is_set():
                 message = self._link.recv_json(SILENCE)
-                if LANES in message or END in message:
+                if LANES in message or END in message or SPOILED in message:
                     self.view.update(message)
         except (LinkError, ValueError) as e:
             if not self._stop.is_set():
                 self.view.update({END: f"the writing application's sender host went away ({e})"})
+
+    def _tell_spoiled(self, doors: set[Door]) -> None:
+        with contextlib.suppress(LinkError):
+            self._link.send_json(spoiled_message(doors))
 
     def close(self) -> None:
         self._stop.set()

@@ -43,6 +43,8 @@ from ..rules.directory import (
     end_message,
     lanes_message,
     rendezvous_appid,
+    spoiled_doors,
+    spoiled_message,
 )
 from ..rules.errors import ProtocolError
 from ..rules.meeting import (
@@ -395,12 +397,15 @@ class ReadingEnd:
         spec: TransferSpec,
         on_senders: Callable[[set[int]], None],
         on_abort: Callable[[Abort], None] | None = None,
+        on_spoiled: Callable[[set[Door]], None] = lambda _: None,
     ) -> None:
         self.spec = spec
         self._state = DirectoryState()
         self._cond = threading.Condition()
         self._on_senders = on_senders
         self._on_abort = on_abort
+        self._on_spoiled = on_spoiled  # doors the senders found a stranger on
+        self._spoiled: set[Door] = set()  # ... and the ones our lanes did
         self._half: dict[str, Any] = {}  # ours, whole: the lanes' epochs, our abort or end
         self.ended = threading.Event()
         self.link = DirectoryLink(spec, ROLE_READER, self._from_writer, self._ended)
@@ -409,11 +414,15 @@ class ReadingEnd:
     def _from_writer(self, message: dict[str, Any]) -> None:
         with self._cond:
             told = self._state.abort
+            spoiled = spoiled_doors(message) - self._state.spoiled
             new, _ = self._state.merge(message)
             self._cond.notify_all()
         if new:
             log.info("transfer %s: senders %s introduced", self.spec.transfer_id, sorted(new))
             self._on_senders(new)
+        if spoiled:
+            log.info("transfer %s: senders found strangers on %s", self.spec.transfer_id, spoiled)
+            self._on_spoiled(spoiled)
         if told is None and self._state.abort is not None and self._on_abort is not None:
             heard_abort(self.spec, self._state.abort, "sender", self._on_abort, self._send)
 
@@ -439,6 +448,19 @@ class ReadingEnd:
     @property
     def senders(self) -> set[int]:
         return set(self._state.senders)
+
+    @property
+    def spoiled(self) -> set[Door]:
+        """Doors the senders found a stranger on (for a lane that starts later)."""
+        with self._cond:
+            return set(self._state.spoiled)
+
+    def report_spoiled(self, doors: set[Door]) -> None:
+        """Our lanes found a stranger on ``doors``: the senders waiting there move on."""
+        with self._cond:
+            self._spoiled |= doors
+            part = spoiled_message(self._spoiled)
+        self._send(part)
 
     def publish(
         self, epochs: dict[int, int], ended: dict[int, tuple[int, str]] | None = None
@@ -468,6 +490,8 @@ class SenderView:
         # The writing end's abort through the directory (the hub's ``tell_abort``);
         # None in a process that only reaches the writing end through its hub.
         self.tell_abort: Callable[[Abort], None] | None = None
+        # Our spoiled doors to the writing end (the hub, or this process's hub link).
+        self.tell_spoiled: Callable[[set[Door]], None] = lambda _: None
 
     def update(self, message: dict[str, Any]) -> None:
         """The writing end's news (lanes' epochs, the end); tells listeners of risen epochs."""
@@ -519,8 +543,14 @@ class SenderView:
             return meeting.stale(stopped)
 
     def claimed(self, meeting: SenderMeeting, outcome: Outcome, stopped: bool) -> Step:
+        """The machine's step; a door we found a stranger on goes to the writing end,
+        which tells the lane (whose side may never have seen the stranger)."""
         with self._cond:
-            return meeting.claimed(outcome, stopped)
+            door = meeting.door
+            step = meeting.claimed(outcome, stopped)
+        if outcome is Outcome.SPOILED and door is not None:
+            self.tell_spoiled({door})
+        return step
 
 
 class SenderSet:
@@ -530,6 +560,34 @@ class SenderSet:
         self._senders: set[int] = set()
         self._lock = threading.Lock()
         self._listeners: list[Callable[[set[int]], None]] = []
+        # Doors the senders found a stranger on, and who hears them (this process's lanes).
+        self._spoiled: set[Door] = set()
+        self._spoiled_listeners: list[Callable[[set[Door]], None]] = []
+        # Our lanes' spoiled doors to the reading end (in-process, or the registry link).
+        self.tell_spoiled: Callable[[set[Door]], None] = lambda _: None
+
+    def spoil(self, doors: set[Door]) -> None:
+        """The senders found a stranger on ``doors`` (the directory): lanes hear the new ones."""
+        with self._lock:
+            new = doors - self._spoiled
+            self._spoiled |= new
+            listeners = list(self._spoiled_listeners)
+        if new:
+            for listener in listeners:
+                listener(new)
+
+    def subscribe_spoiled(self, listener: Callable[[set[Door]], None]) -> None:
+        """Call ``listener`` with the spoiled doors known now, then with each new batch."""
+        with self._lock:
+            self._spoiled_listeners.append(listener)
+            now = set(self._spoiled)
+        if now:
+            listener(now)
+
+    def unsubscribe_spoiled(self, listener: Callable[[set[Door]], None]) -> None:
+        with self._lock:
+            with contextlib.suppress(ValueError):
+                self._spoiled_listeners.remove(listener)
 
     def add(self, senders: set[int] | list[int]) -> None:
         with self._lock:

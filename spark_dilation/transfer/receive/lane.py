@@ -34,6 +34,7 @@ what the reading application reads.
 from __future__ import annotations
 
 import contextlib
+import functools
 import logging
 import os
 import struct
@@ -216,6 +217,7 @@ class LaneReceiver:
             "lane %d (epoch %d): receiving; a door for each sender named", self.lane, self.epoch
         )
         self._senders.subscribe(self._learn)
+        self._senders.subscribe_spoiled(self._reported)
 
     def seal(self) -> None:
         """No stream writes a new file into the staging from now on (its owner removes
@@ -242,6 +244,7 @@ class LaneReceiver:
                 with contextlib.suppress(Exception):
                     conn.close(timeout=10, linger=linger)
             self._senders.unsubscribe(self._learn)
+            self._senders.unsubscribe_spoiled(self._reported)
             with self._cond:
                 doors = list(self._door_threads)
             end = time.monotonic() + DOOR_STOP_WAIT
@@ -469,6 +472,24 @@ class LaneReceiver:
         for thread in threads:
             thread.start()
 
+    def _reported(self, doors: set[Door]) -> None:
+        """Senders found a stranger on ``doors``: a door of ours among them is given up
+        (its thread's claim is cancelled) and the sender's next one opened."""
+        with self._cond:
+            open_now = self._doors.report(doors)
+        if open_now:
+            log.warning(
+                "lane %d (epoch %d): senders found a stranger on %s; next door",
+                self.lane, self.epoch, open_now,
+            )  # fmt: skip
+
+    def _given_up(self, door: Door) -> bool:
+        """The door's claim stops: the lane stops, or the senders found a stranger there."""
+        if self._stop.is_set():
+            return True
+        with self._cond:
+            return door in self._doors.reported
+
     def _door(self, door: Door) -> None:
         """Wait at ``door`` for its sender; after each pairing, at the sender's next door
         (the lane door table, rules/meeting.py)."""
@@ -478,9 +499,8 @@ class LaneReceiver:
             door = state.door
             what = f"sender {door.sender} of lane {self.lane}"
             try:
-                outcome, got = claim_door(
-                    self.spec, door, ROLE_LANE, cancelled=self._stop.is_set, what=what
-                )
+                given_up = functools.partial(self._given_up, door)
+                outcome, got = claim_door(self.spec, door, ROLE_LANE, cancelled=given_up, what=what)
                 conn = None
                 if outcome is Outcome.PAIRED:
                     try:
@@ -520,6 +540,9 @@ class LaneReceiver:
                 return
             if outcome is Outcome.SPOILED:  # it costs this attempt, not the lane
                 log.warning("lane %d (epoch %d): %s; next door", self.lane, self.epoch, got)
+                self._senders.tell_spoiled({door})  # the sender may never have seen it
+                continue
+            if outcome is Outcome.CANCELLED:  # the senders' side found the stranger
                 continue
             log.info("lane %d (epoch %d): %s connected", self.lane, self.epoch, what)
             for name, handler in (

@@ -19,8 +19,10 @@ Frames (:mod:`..link`, JSON)::
                            {"cause": L, "own": record|null}   answer {"cause": record|null}
                            (a lane's own failure, declared before it tells the senders;
                            the transfer's cause, if any: :meth:`LaneRegistry.own_failure`)
+                           {"spoiled": [[l, e, s, a]]} (doors it found a stranger on)
     registry -> lane host: {"do": ...} (answers, in order; "receive" names the lane's
                            epoch) | {"senders": [ids]} | {"ping": 1}
+                           {"spoiled": [...]} (doors the senders found a stranger on)
                            {"abort": {"reason", "cancelled"}} (the writing end's abort,
                            heard on the directory link; also to a lane host that
                            claims after it)
@@ -68,6 +70,7 @@ from ..machine import (
     wait_ready,
     write_private,
 )
+from ..rules.directory import Door, spoiled_doors, spoiled_message
 from ..rules.errors import LinkError
 from ..rules.protocol import Abort
 from ..rules.registry import HostInfo, LaneRegistry
@@ -111,7 +114,9 @@ class RegistryHost:
         log.info("lane registry of %s on %s", self.spec.transfer_id, ready)
         from ..meet.rendezvous import ReadingEnd
 
-        self.reading = ReadingEnd(self.spec, self._introduce, on_abort=self._writer_aborted)
+        self.reading = ReadingEnd(
+            self.spec, self._introduce, on_abort=self._writer_aborted, on_spoiled=self._spoiled
+        )
         serve_connections(self.server, self._serve)
         hosted = self.spec.with_registry(tuple(ready["addresses"]), port)
         while alive(self.owner):
@@ -133,6 +138,16 @@ class RegistryHost:
     def _introduce(self, _: set[int]) -> None:
         """New senders: every lane host hears the whole list (its receiver opens doors)."""
         message = {"senders": sorted(self.reading.senders)}
+        with self.lock:
+            links = list(self.links)
+        for link in links:
+            with contextlib.suppress(LinkError):
+                link.send_json(message)
+
+    def _spoiled(self, _: set[Door]) -> None:
+        """Senders found strangers on doors: every lane host hears the whole list (a lane
+        waiting on one of them, which never saw the stranger, moves on)."""
+        message = spoiled_message(self.reading.spoiled)
         with self.lock:
             links = list(self.links)
         for link in links:
@@ -221,6 +236,8 @@ class RegistryHost:
                             senders = sorted(self.reading.senders)
                             if senders:
                                 link.send_json({"senders": senders})
+                            if spoiled := self.reading.spoiled:
+                                link.send_json(spoiled_message(spoiled))
                             if self.aborted is not None:
                                 link.send_json({"abort": self.aborted})
                     elif "done" in message and host is not None:
@@ -228,6 +245,8 @@ class RegistryHost:
                         self._received(message)
                     elif "failed" in message and host is not None:
                         self.registry.failed(int(message["failed"]), host, message["error"])
+                    elif "spoiled" in message:  # a lane found a stranger on a door
+                        self.reading.report_spoiled(spoiled_doors(message))
                     elif "deleted" in message and host is not None:
                         self.registry.deleted(int(message["deleted"]), host)
                     elif "cause" in message and host is not None:

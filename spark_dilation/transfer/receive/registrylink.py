@@ -23,6 +23,7 @@ from ..link import (
     connect,
     keep_alive,
 )
+from ..rules.directory import spoiled_doors, spoiled_message
 from ..rules.errors import LinkError
 from ..rules.registry import HostInfo
 from ..rules.spec import TransferSpec
@@ -59,6 +60,8 @@ class RegistryLink:
         from ..meet.rendezvous import sender_set
 
         self.senders = sender_set(spec.transfer_id)
+        # Our lanes' spoiled doors go to the registry host, the reading end.
+        self.senders.tell_spoiled = lambda doors: self.report(spoiled_message(doors))
         self.lost = threading.Event()
         # The writing end's abort, passed on by the registry: set by the lane host.
         self.on_abort: Callable[[dict[str, Any]], None] = lambda _: None
@@ -109,6 +112,8 @@ class RegistryLink:
                 message = self.link.recv_json(SILENCE)
                 if "senders" in message:  # the directory's introductions, for the doors
                     self.senders.add([int(s) for s in message["senders"]])
+                elif "spoiled" in message:  # doors the senders found a stranger on
+                    self.senders.spoil(spoiled_doors(message))
                 elif "abort" in message:
                     # Not on this thread: ending the lane asks the registry for the cause,
                     # whose answer only this thread reads.

@@ -33,7 +33,8 @@ are two connections)::
     epoch of the lane unknown               wait for the directory's push
     epoch e known                           claim (l, e, s, a), a = the next attempt
     paired                                  dilate
-    spoiled (crowded, or a wrong code)      the next attempt, a + 1 (the lane moves too)
+    spoiled (crowded, or a wrong code)      the next attempt, a + 1; report the door
+    the lane reported the door spoiled      give the claim up; the next attempt, a + 1
     the caller's deadline passes            the caller fails; the claim stays until it
                                             pairs (the lane waits on exactly this door)
     lane l ended at epoch e, no new host    the connection fails at once with the lane's
@@ -47,8 +48,15 @@ Lane side, per (lane host of epoch e, sender s)::
     ---------   ---------------------------   ---------   -------------------------------
     (none)      sender s known                OPEN(a=0)   claim door (l, e, s, 0)
     OPEN(a)     paired                        OPEN(a+1)   keep the connection; claim a + 1
-    OPEN(a)     spoiled (a stranger on it)    OPEN(a+1)   keep the spoiled claim; claim a + 1
+    OPEN(a)     spoiled (a stranger on it)    OPEN(a+1)   keep the spoiled claim; claim a + 1;
+                                                          report the door
+    OPEN(a)     a sender reported it spoiled  OPEN(a+1)   give the claim up; claim a + 1
     OPEN(a)     lane finished                 (none)      close (releases the claim)
+
+A stranger whose PAKE never reaches one side spoils the door for the side that
+meets it only: that side reports the door in its end's half (``spoiled``, every
+door so far: :func:`spoiled_message`), and the other side's claim there is given
+up as spoiled when the report reaches it (:mod:`.meeting`).
 
 A lane can end for good with no new epoch (the registry failed it: its host's
 own failure, every hosting attempt failed, the sender's abort): the reading end
