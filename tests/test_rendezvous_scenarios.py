@@ -29,7 +29,7 @@ import random
 import time
 
 import pytest
-from mailbox_harness import DOWN, Faults, Harness
+from mailbox_harness import DOWN, Client, Faults, Harness
 
 from spark_dilation.transfer.meet.rendezvous import lost_state
 from spark_dilation.transfer.rules.directory import (
@@ -39,12 +39,15 @@ from spark_dilation.transfer.rules.directory import (
     LaneEpochs,
     SenderDoors,
     SenderIds,
+    directory_code,
     lanes_message,
     senders_message,
     spoiled_doors,
     spoiled_message,
 )
 from spark_dilation.transfer.rules.meeting import (
+    ROLE_READER,
+    ROLE_WRITER,
     LaneDoor,
     LaneStep,
     MeetingEnded,
@@ -253,10 +256,64 @@ class SenderProc:
             self.failed.append((claim.door.lane, why))
 
 
-class World:
-    """The directory (both halves), lane hosts, senders, and the harness they meet on."""
+class Link:
+    """The directory link's two wormholes, as ``DirectoryLink`` makes them (``meet()`` on
+    ``directory_code``, no door): each end sends its whole half once met, and only the
+    latest half waits until then."""
 
-    def __init__(self, *, seed: int = 0, lanes: int = 1, faults=None) -> None:
+    def __init__(self, world: World) -> None:
+        code = directory_code(SECRET)
+        world.issued.add(code.split("-")[0])
+        self.ends: dict[str, tuple[Client, dict]] = {}
+        for end, role in ((LANE, ROLE_READER), (SENDER, ROLE_WRITER)):
+            ours = meeting_versions(TRANSFER, role, None)
+            client = world.h.client(f"link-{role}", versions={"app_versions": ours})
+            client.set_code(code)
+            self.ends[end] = (client, ours)
+        self.pending: dict[str, dict | None] = {LANE: None, SENDER: None}
+        self.seen = {LANE: 0, SENDER: 0}
+
+    def met(self, end: str) -> bool:
+        client, ours = self.ends[end]
+        got = client.got(core.GotVersions)
+        if not got:
+            return False
+        outcome, why = claim_outcome(ours, theirs=got[0].app_versions, at_door=False)
+        assert outcome is Outcome.PAIRED, why
+        return True
+
+    def send(self, end: str, half: dict) -> None:
+        if self.met(end):
+            self.ends[end][0].send_message(json.dumps(half, sort_keys=True).encode())
+        else:
+            self.pending[end] = half
+
+    def pump(self, world: World) -> None:
+        """After a step: send what waited for the meeting, hand over what arrived."""
+        for end, (client, _) in self.ends.items():
+            if self.pending[end] is not None and self.met(end):
+                half, self.pending[end] = self.pending[end], None
+                client.send_message(json.dumps(half, sort_keys=True).encode())
+            got = client.got(core.GotMessage)
+            for message in got[self.seen[end] :]:
+                world.deliver(end, json.loads(message.plaintext))
+            self.seen[end] = len(got)
+
+    def lost_state(self) -> str:
+        return "".join(lost_state(c.core) for c, _ in self.ends.values())
+
+
+class World:
+    """The directory (both halves), lane hosts, senders, and the harness they meet on.
+
+    The reading end (LANE) holds the lanes' epochs, the writing end (SENDER) the
+    sender ids; each end also reports the doors its side found spoiled. With ``link``
+    the halves travel on a directory link on the harness (two wormhole cores on the
+    real server, under the same faults); without, they arrive at once. Each end passes
+    what it hears to its processes at once (the hub's and the registry's TCP links).
+    """
+
+    def __init__(self, *, seed: int = 0, lanes: int = 1, faults=None, link: bool = False) -> None:
         self.h = Harness(seed=seed, faults=faults)
         self.t0 = self.h.clock.seconds()
         self.ids = SenderIds()
@@ -268,42 +325,63 @@ class World:
         self.pairings: list[Door] = []
         self.lane_claims: dict[Door, Claim] = {}  # a door has one lane side, ever
         self.spoiled: dict[str, set[Door]] = {LANE: set(), SENDER: set()}  # by whose side
+        # What each end heard of the other's half: the hub (SENDER), the reading end (LANE).
+        self.heard = {LANE: DirectoryState(), SENDER: DirectoryState()}
         self._sides = itertools.count(1)
+        self.link = Link(self) if link else None
 
     # --- the directory ------------------------------------------------------------
+
+    def half(self, end: str) -> dict:
+        if end == LANE:
+            return {**lanes_message(self.epochs.current()), **spoiled_message(self.spoiled[LANE])}
+        return {**senders_message(self.ids.issued), **spoiled_message(self.spoiled[SENDER])}
+
+    def publish(self, end: str) -> None:
+        """``end``'s half changed: it goes to the other end (whole, each time)."""
+        if self.link is None:
+            self.deliver(SENDER if end == LANE else LANE, self.half(end))
+        else:
+            self.link.send(end, self.half(end))
+
+    def deliver(self, end: str, message: dict) -> None:
+        """The other end's half reached ``end``: it merges it and tells its processes."""
+        self.heard[end].merge(message)
+        for party in self.senders if end == SENDER else self.hosts:
+            party.hear(message)
+
+    def news(self, end: str) -> dict:
+        """What ``end`` tells a process that joins: all it heard so far."""
+        state = self.heard[end]
+        if end == SENDER:
+            return {**lanes_message(state.epochs), **spoiled_message(state.spoiled)}
+        return {**senders_message(state.senders), **spoiled_message(state.spoiled)}
 
     def host(self, lane: int) -> int:
         """The reading end hands ``lane`` to a new process: its epoch, pushed to senders."""
         epoch = self.epochs.host(lane)
-        self.push_lanes()
+        self.publish(LANE)
         return epoch
 
     def start_host(self, lane: int, epoch: int) -> LaneHost:
         host = LaneHost(self, lane, epoch)
         self.hosts.append(host)
-        host.hear(senders_message(self.ids.issued))
+        host.hear(self.news(LANE))
         return host
 
     def sender(self) -> SenderProc:
         """The writing end starts a sending process; its id is pushed to the lane hosts."""
         proc = SenderProc(self)
         self.senders.append(proc)
-        proc.hear(lanes_message(self.epochs.current()))
-        for host in self.hosts:
-            host.hear(senders_message(self.ids.issued))
+        proc.hear(self.news(SENDER))
+        self.publish(SENDER)
         return proc
 
     def report_spoiled(self, door: Door, by: str) -> None:
-        """A side found a stranger on ``door``: its end's half says so, the other end's
-        processes hear it (the hub and the registry host pass it on)."""
+        """A side found a stranger on ``door``: its end's half says so, and the other
+        end's processes hear it (the hub and the registry host pass it on)."""
         self.spoiled[by].add(door)
-        message = spoiled_message(self.spoiled[by])
-        for party in self.senders if by == LANE else self.hosts:
-            party.hear(message)
-
-    def push_lanes(self) -> None:
-        for proc in self.senders:
-            proc.hear(lanes_message(self.epochs.current()))
+        self.publish(by)
 
     # --- after every step -------------------------------------------------------------
 
@@ -313,6 +391,8 @@ class World:
         assert not crowded, f"nameplates or mailboxes with more than two sides: {crowded}"
         names = {r["name"] for r in self.h.db.execute("SELECT name FROM nameplates")}
         assert names <= self.issued, f"nameplates the directory never issued: {names - self.issued}"
+        if self.link is not None:
+            self.link.pump(self)
         self.react()
 
     def react(self) -> None:
@@ -736,7 +816,7 @@ def faulty_transfer(seed: int) -> tuple[str, World, Faults]:
         restart_at=rng.randrange(1, 400) if rng.random() < 0.7 else None,
         keep_db=rng.random() < 0.5,
     )
-    w = World(seed=seed, lanes=2, faults=faults)
+    w = World(seed=seed, lanes=2, faults=faults, link=True)
     epochs = [w.host(0), w.host(1)]
     starts: list[object] = ["host0", "host1", *range(3)]
     rng.shuffle(starts)
@@ -766,6 +846,7 @@ def faulty_transfer(seed: int) -> tuple[str, World, Faults]:
     if rng.random() < 0.3:
         door = Door(0, epochs[0], procs[0].id, 0)
         nameplate = door.code(SECRET).split("-")[0]
+        w.issued.add(nameplate)  # the door the directory hands out (or will)
         if rng.random() < 0.5:  # a PAKE of another password
             stranger = w.h.client("stranger", side=STRANGER_SIDE, guard_door=True)
             stranger.set_code(nameplate + "-" + WRONG.split("-", 1)[1])
@@ -804,10 +885,17 @@ def faulty_transfer(seed: int) -> tuple[str, World, Faults]:
         if c.live and not c.ended and c.role == SENDER
         and (c.door.sender, c.door.lane, c.door.epoch) in wanted - set(got)
     ]  # fmt: skip
-    assert waiting, (seed, "a missing pairing with nobody waiting", faults.log)
-    if all(lost_state(c.client.core) for c in waiting):
+    assert w.link is not None
+    link_met = w.link.met(LANE) and w.link.met(SENDER)
+    if waiting and all(lost_state(c.client.core) for c in waiting):
         assert not faults.keep_db, (seed, "a server that kept its database stranded", faults.log)
-        return "stranded by a restart that lost the database (named)", w, faults
+        return "a meeting stranded by a restart that lost the database (named)", w, faults
+    # Nobody could claim: the directory link itself never met. The writing end's
+    # senders name its lost state at lane_start_timeout (SenderView.link_lost_state).
+    assert not waiting and not link_met, (seed, "stranded, no cause named", faults.log)
+    assert w.link.lost_state(), (seed, "the directory link stranded, no cause", faults.log)
+    assert not faults.keep_db, (seed, "a server that kept its database stranded", faults.log)
+    return "the directory link stranded by a restart that lost the database (named)", w, faults
     raise AssertionError(f"seed {seed}: stranded with no named cause: {faults.log}")
 
 

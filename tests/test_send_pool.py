@@ -171,3 +171,23 @@ def test_a_meeting_stopped_by_the_transfers_failure_claims_no_other_door(
         assert meeting.done.wait(10)
         assert isinstance(meeting.error, RendezvousCancelled), meeting.error
         assert attempts == [0]
+
+
+def test_a_directory_link_stranded_by_a_server_that_lost_its_state_is_named() -> None:
+    """The directory link never met (the server restarted without its database while it
+    met, see core.py): no lane's epoch ever comes, so no door is claimed. The caller fails
+    at its deadline naming the lost state (the writing end's view asks its link), not
+    "did not start"."""
+    from spark_dilation.transfer.meet.rendezvous import lost_state
+
+    spec = TransferSpec("34" * 16, b"p" * 32, 1, b"", "none", TransferOptions())
+    view = SenderView(spec.transfer_id, sender=0)  # no lane hosted: nothing heard
+    view.link_lost_state = lambda: lost_state(type("W", (), {"server_lost_state": True})())
+    rendezvous.register_view(view)
+    try:
+        with pytest.raises(TransferError, match="lost its state meanwhile") as info:
+            ConnectionPool().get(spec, 0, deadline=time.monotonic() + 1)
+        assert "lane_start_timeout" in str(info.value)
+    finally:
+        view.update({"end": "test over"})
+        rendezvous.forget(spec.transfer_id)

@@ -111,6 +111,7 @@ class SenderHub:
         self.view.tell_spoiled = self.add_spoiled
         register_view(self.view)
         self.link = DirectoryLink(spec, ROLE_WRITER, self._from_reader, self._link_ended)
+        self.view.link_lost_state = self.link.lost_state
         self.link.send(self._half())
         self.link.start()
         self.server: socket.socket | None = None

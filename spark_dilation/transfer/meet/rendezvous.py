@@ -241,6 +241,7 @@ class DirectoryLink:
         self._lock = threading.Lock()
         self._w: Any = None
         self._pending: bytes | None = None
+        self._meeting: Any = None  # the link's wormhole while it meets
         self._stop = threading.Event()
         self.met = threading.Event()
         self.error: BaseException | None = None
@@ -249,6 +250,10 @@ class DirectoryLink:
     def start(self) -> DirectoryLink:
         self._thread.start()
         return self
+
+    def lost_state(self) -> str:
+        """What a deadline adds while the link has not met and the server lost its state."""
+        return "" if self.met.is_set() else lost_state(self._meeting)
 
     def send(self, message: dict[str, Any]) -> None:
         data = json.dumps(message, sort_keys=True).encode()
@@ -264,6 +269,7 @@ class DirectoryLink:
             w = meet(
                 self.spec, directory_code(self.spec.secret), self.role,
                 cancelled=self._stop.is_set, what="the other end's directory",
+                started=lambda w: setattr(self, "_meeting", w),
             )  # fmt: skip
         except RendezvousCancelled:
             return
@@ -492,6 +498,8 @@ class SenderView:
         self.tell_abort: Callable[[Abort], None] | None = None
         # Our spoiled doors to the writing end (the hub, or this process's hub link).
         self.tell_spoiled: Callable[[set[Door]], None] = lambda _: None
+        # Why the directory link has not met, if the server lost its state (the hub's).
+        self.link_lost_state: Callable[[], str] = lambda: ""
 
     def update(self, message: dict[str, Any]) -> None:
         """The writing end's news (lanes' epochs, the end); tells listeners of risen epochs."""

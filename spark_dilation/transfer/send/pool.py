@@ -47,6 +47,7 @@ from ..meet.rendezvous import (
     close_wormhole,
     dilate_paired,
     lost_state,
+    registered_view,
     sender_view,
     unreachable,
 )
@@ -171,7 +172,9 @@ class ConnectionPool:
                         f"door within {spec.options.lane_start_timeout:g} s "
                         "(lane_start_timeout)"
                     )
-                if lost := lost_state(meeting.wormhole):
+                view = registered_view(spec.transfer_id)  # the writing end's, in-process
+                link = view.link_lost_state() if view is not None else ""
+                if lost := lost_state(meeting.wormhole) or link:
                     raise TransferError(
                         f"{what}: lane {lane} did not pair within "
                         f"{spec.options.lane_start_timeout:g} s (lane_start_timeout){lost}"
@@ -244,6 +247,11 @@ class ConnectionPool:
                             "lane %d of transfer %s: %s; next door", lane, spec.transfer_id, got
                         )
                         meeting.spoiled = got
+                    elif state.reported == door:  # the lane's side found the stranger
+                        meeting.spoiled = DoorSpoiled(
+                            f"a stranger was on the door to {what} (the lane found it there, "
+                            f"attempt {door.attempt})"
+                        )
                     continue
                 if step is Step.CLOSE_NEXT:  # paired, but the lane was re-hosted meanwhile
                     close_wormhole(got)
