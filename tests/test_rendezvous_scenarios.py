@@ -31,7 +31,12 @@ import time
 import pytest
 from mailbox_harness import DOWN, Client, Faults, Harness
 
-from spark_dilation.transfer.meet.rendezvous import lost_state
+from spark_dilation.transfer.meet.rendezvous import (
+    RendezvousCancelled,
+    SenderSet,
+    SenderView,
+    lost_state,
+)
 from spark_dilation.transfer.rules.directory import (
     DirectoryState,
     Door,
@@ -132,23 +137,33 @@ class Claim:
 
 
 class LaneHost:
-    """The process hosting one lane at one epoch: a door per sender it knows."""
+    """The process hosting one lane at one epoch: a door per sender it knows. Its
+    directory inputs are the product's ``SenderSet`` (what the registry link feeds)."""
 
     def __init__(self, world: World, lane: int, epoch: int) -> None:
         self.world, self.lane, self.epoch = world, lane, epoch
         self.doors = LaneDoors(lane, epoch)
-        self.state = DirectoryState()
         self.claims: list[Claim] = []
         self.slow_attempts: set[int] = set()
         self.left: list[tuple[Door, Outcome, str]] = []  # doors it stopped waiting at
+        self.senders = SenderSet()
+        self.senders.tell_spoiled = lambda doors: [world.report_spoiled(d, LANE) for d in doors]
+        self.senders.subscribe(self._learn)
+        self.senders.subscribe_spoiled(self._reported)
 
     def hear(self, message: dict) -> None:
-        """A directory message: open one door per newly named sender (lane._learn); a door
-        the senders found a stranger on is given up for the next (lane._reported)."""
-        new, _ = self.state.merge(message)
-        for door in self.doors.learn(new):
+        """A directory message, as the registry link passes it on."""
+        self.senders.add([int(s) for s in message.get("senders", ())])
+        self.senders.spoil(spoiled_doors(message))
+
+    def _learn(self, senders: set[int]) -> None:
+        """lane._learn: a door per newly named sender."""
+        for door in self.doors.learn(senders):
             self.open(LaneDoor(self.doors, door))
-        for door in self.doors.report(spoiled_doors(message)):
+
+    def _reported(self, doors: set[Door]) -> None:
+        """lane._reported: an open door the senders found a stranger on is given up."""
+        for door in self.doors.report(doors):
             claim = self.world.lane_claims[door]
             if not claim.ended:
                 claim.cancel()
@@ -172,7 +187,7 @@ class LaneHost:
         door = claim.door
         step = claim.machine.claimed(outcome)
         if outcome is Outcome.SPOILED:
-            self.world.report_spoiled(door, LANE)
+            self.senders.tell_spoiled({door})
         if step is LaneStep.NEXT:
             self.open(claim.machine)  # its door is the sender's next one now
         else:
@@ -180,6 +195,8 @@ class LaneHost:
 
     def kill(self) -> None:
         """The process dies: its connections drop, nothing is closed, nothing reconnects."""
+        self.senders.unsubscribe(self._learn)
+        self.senders.unsubscribe_spoiled(self._reported)
         for claim in self.claims:
             if claim.client.connected:
                 claim.client.disconnect()
@@ -188,66 +205,73 @@ class LaneHost:
 
 
 class SenderProc:
-    """One sending process: an id from the writing end, its view of the directory, and
-    its connections' meetings (the pool's meeting threads)."""
+    """One sending process: an id from the writing end, the product's ``SenderView`` of
+    the directory, and its connections' meetings (the pool's meeting threads)."""
 
     def __init__(self, world: World) -> None:
         self.world = world
         self.id = world.ids.issue()
-        self.state = DirectoryState()
-        self.doors = SenderDoors(self.id)
+        self.view = SenderView(TRANSFER, self.id)
+        self.view.tell_spoiled = lambda doors: [world.report_spoiled(d, SENDER) for d in doors]
+        self.view.listen(self._rehosted)
         self.meetings: list[SenderMeeting] = []
         self.claims: list[Claim] = []
         self.failed: list[tuple[int, str]] = []  # (lane, why) of meetings that ended
 
+    @property
+    def doors(self) -> SenderDoors:
+        return self.view._doors
+
     def hear(self, message: dict) -> None:
-        """A directory message, as SenderView.update takes it; then what the pool does:
-        a claim whose meeting is stale is cancelled (meet() polls it) and the meeting
-        moves on; a lane re-hosted under a pooled connection is met again (_rehosted)."""
-        _, risen = self.state.merge(message)
-        stale = self.doors.epochs(risen)
+        """A directory message, as the hub passes it on (SenderView.update); then what the
+        pool's meetings do: a claim whose meeting is stale is cancelled (meet() polls it)
+        and the meeting moves on; one waiting for the lane's epoch claims its door."""
+        self.view.update(message)
         for claim in list(self.claims):
             m = claim.machine
             if claim.ended or not claim.live or m.state is not Meet.CLAIMING:
                 continue
-            if m.door == claim.door and m.stale():
+            if m.door == claim.door and self.view.stale(m, False):
                 claim.cancel()
                 self.claimed(claim, Outcome.CANCELLED, "stale")
-        for lane, epoch in stale.items():
-            for claim in list(self.claims):
-                m = claim.machine
-                if m.state is Meet.MET and m.lane == lane and claim.door.epoch < epoch:
-                    claim.close()  # the pool swaps its connection when the new one pairs
-                    self.connect(lane)
         for m in self.meetings:
             if m.state is Meet.WAITING:
                 self.claim_next(m)
 
+    def _rehosted(self, epochs: dict[int, int]) -> None:
+        """ConnectionPool._rehosted: a lane re-hosted under a pooled connection is met
+        again (the pool swaps its connection when the new one pairs)."""
+        for lane, epoch in epochs.items():
+            for claim in list(self.claims):
+                m = claim.machine
+                if m.state is Meet.MET and m.lane == lane and claim.door.epoch < epoch:
+                    claim.close()
+                    self.connect(lane)
+
     def connect(self, lane: int) -> Claim | None:
         """A new connection to ``lane`` (a pool's meeting): claim the door it hands out."""
-        m = SenderMeeting(lane, self.state, self.doors, f"lane {lane}")
+        m = self.view.meeting(lane, f"lane {lane}")
         self.meetings.append(m)
         return self.claim_next(m)
 
     def claim_next(self, m: SenderMeeting) -> Claim | None:
-        try:
-            door = m.next_door()
+        try:  # SenderView.next_door, never blocking here: the push wakes a waiting one
+            door = self.view.next_door(m, float("-inf"), cancelled=lambda: True)
+        except RendezvousCancelled:
+            return None  # the lane's epoch is unknown yet
         except MeetingEnded as e:
             self.failed.append((m.lane, str(e)))
             return None
-        if door is None:
-            return None  # the lane's epoch is unknown: the directory's push wakes it
         claim = Claim(self.world, door, SENDER, self, m)
         self.claims.append(claim)
         self.world.claims.append(claim)
         return claim
 
     def claimed(self, claim: Claim, outcome: Outcome, why: str) -> None:
-        """The claim ended: what the pool's meeting does, as the sender meeting table says."""
+        """The claim ended: what the pool's meeting does (SenderView.claimed steps the
+        sender meeting table and reports a spoiled door)."""
         claim.ended, claim.outcome = True, outcome
-        step = claim.machine.claimed(outcome, stopped=False)
-        if outcome is Outcome.SPOILED:  # SenderView.claimed tells the writing end
-            self.world.report_spoiled(claim.door, SENDER)
+        step = self.view.claimed(claim.machine, outcome, False)
         if step is Step.CLOSE_NEXT:
             claim.close()
         if step in (Step.NEXT, Step.CLOSE_NEXT):
