@@ -24,7 +24,7 @@ import threading
 import time
 from collections.abc import Callable, Iterable
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, Generic, TypeVar
 
 import crochet
 
@@ -60,6 +60,7 @@ from ..rules.protocol import ROLE_LANE, ROLE_SENDER, Abort
 from ..rules.spec import TransferSpec
 
 log = logging.getLogger(__name__)
+T = TypeVar("T")
 
 # How long a cancelled meeting waits for the mailbox to confirm its close (a
 # stop must not hang on a dead server; the wormhole's own close timeout is longer).
@@ -561,63 +562,67 @@ class SenderView:
         return step
 
 
-class SenderSet:
-    """A receiving process's view: the sender ids the writing end issued (only grows)."""
+class _Growing(Generic[T]):
+    """A set that only grows; each listener hears what it held when it subscribed, then
+    each batch of new items (outside the lock)."""
 
     def __init__(self) -> None:
-        self._senders: set[int] = set()
+        self._items: set[T] = set()
         self._lock = threading.Lock()
-        self._listeners: list[Callable[[set[int]], None]] = []
-        # Doors the senders found a stranger on, and who hears them (this process's lanes).
-        self._spoiled: set[Door] = set()
-        self._spoiled_listeners: list[Callable[[set[Door]], None]] = []
-        # Our lanes' spoiled doors to the reading end (in-process, or the registry link).
-        self.tell_spoiled: Callable[[set[Door]], None] = lambda _: None
+        self._listeners: list[Callable[[set[T]], None]] = []
 
-    def spoil(self, doors: set[Door]) -> None:
-        """The senders found a stranger on ``doors`` (the directory): lanes hear the new ones."""
+    def add(self, items: Iterable[T]) -> None:
         with self._lock:
-            new = doors - self._spoiled
-            self._spoiled |= new
-            listeners = list(self._spoiled_listeners)
-        if new:
-            for listener in listeners:
-                listener(new)
-
-    def subscribe_spoiled(self, listener: Callable[[set[Door]], None]) -> None:
-        """Call ``listener`` with the spoiled doors known now, then with each new batch."""
-        with self._lock:
-            self._spoiled_listeners.append(listener)
-            now = set(self._spoiled)
-        if now:
-            listener(now)
-
-    def unsubscribe_spoiled(self, listener: Callable[[set[Door]], None]) -> None:
-        with self._lock:
-            with contextlib.suppress(ValueError):
-                self._spoiled_listeners.remove(listener)
-
-    def add(self, senders: set[int] | list[int]) -> None:
-        with self._lock:
-            new = set(senders) - self._senders
-            self._senders |= new
+            new = set(items) - self._items
+            self._items |= new
             listeners = list(self._listeners)
         if new:
             for listener in listeners:
                 listener(new)
 
-    def subscribe(self, listener: Callable[[set[int]], None]) -> None:
-        """Call ``listener`` with the senders known now, then with each new batch."""
+    def subscribe(self, listener: Callable[[set[T]], None]) -> None:
         with self._lock:
             self._listeners.append(listener)
-            now = set(self._senders)
+            now = set(self._items)
         if now:
             listener(now)
 
-    def unsubscribe(self, listener: Callable[[set[int]], None]) -> None:
+    def unsubscribe(self, listener: Callable[[set[T]], None]) -> None:
         with self._lock:
             with contextlib.suppress(ValueError):
                 self._listeners.remove(listener)
+
+
+class SenderSet:
+    """A receiving process's view: the sender ids the writing end issued (only grows),
+    and the doors the senders found a stranger on (only grows)."""
+
+    def __init__(self) -> None:
+        self._senders: _Growing[int] = _Growing()
+        self._spoiled: _Growing[Door] = _Growing()
+        # Our lanes' spoiled doors to the reading end (in-process, or the registry link).
+        self.tell_spoiled: Callable[[set[Door]], None] = lambda _: None
+
+    def add(self, senders: Iterable[int]) -> None:
+        self._senders.add(senders)
+
+    def subscribe(self, listener: Callable[[set[int]], None]) -> None:
+        """Call ``listener`` with the senders known now, then with each new batch."""
+        self._senders.subscribe(listener)
+
+    def unsubscribe(self, listener: Callable[[set[int]], None]) -> None:
+        self._senders.unsubscribe(listener)
+
+    def spoil(self, doors: set[Door]) -> None:
+        """The senders found a stranger on ``doors`` (the directory): lanes hear the new ones."""
+        self._spoiled.add(doors)
+
+    def subscribe_spoiled(self, listener: Callable[[set[Door]], None]) -> None:
+        """Call ``listener`` with the spoiled doors known now, then with each new batch."""
+        self._spoiled.subscribe(listener)
+
+    def unsubscribe_spoiled(self, listener: Callable[[set[Door]], None]) -> None:
+        self._spoiled.unsubscribe(listener)
 
 
 _lock = threading.Lock()
