@@ -31,12 +31,8 @@ import time
 import pytest
 from mailbox_harness import DOWN, Client, Faults, Harness
 
-from spark_dilation.transfer.meet.rendezvous import (
-    RendezvousCancelled,
-    SenderSet,
-    SenderView,
-    lost_state,
-)
+from spark_dilation.transfer.meet.rendezvous import RendezvousCancelled, lost_state
+from spark_dilation.transfer.meet.views import SenderSet, SenderView
 from spark_dilation.transfer.rules.directory import (
     DirectoryState,
     Door,

@@ -13,8 +13,9 @@ from typing import Any
 import pytest
 
 from spark_dilation.errors import TransferError
-from spark_dilation.transfer.meet import rendezvous
-from spark_dilation.transfer.meet.rendezvous import DoorSpoiled, RendezvousCancelled, SenderView
+from spark_dilation.transfer.meet import rendezvous, views
+from spark_dilation.transfer.meet.rendezvous import DoorSpoiled, RendezvousCancelled
+from spark_dilation.transfer.meet.views import SenderView
 from spark_dilation.transfer.rules.options import TransferOptions
 from spark_dilation.transfer.rules.spec import TransferSpec
 from spark_dilation.transfer.send.pool import ConnectionPool
@@ -27,12 +28,12 @@ def _lane_0_hosted(transfer_id: str) -> Iterator[tuple[TransferSpec, SenderView]
     spec = TransferSpec(transfer_id, b"p" * 32, 1, b"", "none", TransferOptions())
     view = SenderView(spec.transfer_id, sender=0)
     view.update({"lanes": {"0": 0}})
-    rendezvous.register_view(view)
+    views.register_view(view)
     try:
         yield spec, view
     finally:
         view.update({"end": "test over"})
-        rendezvous.forget(spec.transfer_id)
+        views.forget(spec.transfer_id)
 
 
 def _wait_for_cancel(cancelled: Callable[[], bool], what: str) -> None:
@@ -183,11 +184,11 @@ def test_a_directory_link_stranded_by_a_server_that_lost_its_state_is_named() ->
     spec = TransferSpec("34" * 16, b"p" * 32, 1, b"", "none", TransferOptions())
     view = SenderView(spec.transfer_id, sender=0)  # no lane hosted: nothing heard
     view.link_lost_state = lambda: lost_state(type("W", (), {"server_lost_state": True})())
-    rendezvous.register_view(view)
+    views.register_view(view)
     try:
         with pytest.raises(TransferError, match="lost its state meanwhile") as info:
             ConnectionPool().get(spec, 0, deadline=time.monotonic() + 1)
         assert "lane_start_timeout" in str(info.value)
     finally:
         view.update({"end": "test over"})
-        rendezvous.forget(spec.transfer_id)
+        views.forget(spec.transfer_id)

@@ -12,8 +12,9 @@ from typing import Any
 import pyarrow as pa
 
 from ...errors import Interrupted, TransferError, interrupt_cause
-from ..meet.rendezvous import ReadingEnd, forget, sender_set, tell_end
+from ..meet.rendezvous import ReadingEnd, tell_end
 from ..meet.session import ReceivedFileResult, receive_session
+from ..meet.views import forget, sender_set
 from ..receive.lane import LaneReceiver, LocalCauses, lane_receiver
 from ..receive.staging import read_staged
 from ..rules.errors import OutputError

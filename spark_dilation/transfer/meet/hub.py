@@ -66,14 +66,8 @@ from ..rules.directory import (
 from ..rules.errors import LinkError
 from ..rules.protocol import Abort
 from ..rules.spec import TransferSpec
-from .rendezvous import (
-    ROLE_WRITER,
-    DirectoryLink,
-    SenderView,
-    forget,
-    heard_abort,
-    register_view,
-)
+from .rendezvous import ROLE_WRITER, DirectoryLink, heard_abort
+from .views import SenderView, forget, register_view
 
 log = logging.getLogger(__name__)
 

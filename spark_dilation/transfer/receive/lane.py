@@ -52,7 +52,8 @@ import pyarrow.ipc as ipc
 from ...dilation.blocking import DilationClosed, DilationTimeout, SubchannelClosed
 from ...dilation.manager import DilationNoPath, DilationReconnectFailed
 from ...errors import DilationError, TransferError
-from ..meet.rendezvous import Paired, claim_door, dilate_paired, sender_set
+from ..meet.rendezvous import Paired, claim_door, dilate_paired
+from ..meet.views import sender_set
 from ..rules.directory import Door, LaneDoors
 from ..rules.endwait import EndWait
 from ..rules.errors import (

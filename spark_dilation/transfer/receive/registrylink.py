@@ -57,7 +57,7 @@ class RegistryLink:
         self._answers: queue.Queue[dict[str, Any]] = queue.Queue()
         self._asking = threading.Lock()  # one request and its answer at a time
         self._on_lost = on_lost
-        from ..meet.rendezvous import sender_set
+        from ..meet.views import sender_set
 
         self.senders = sender_set(spec.transfer_id)
         # Our lanes' spoiled doors go to the registry host, the reading end.

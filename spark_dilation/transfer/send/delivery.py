@@ -15,7 +15,8 @@ from collections.abc import Iterable
 from concurrent.futures import ThreadPoolExecutor
 
 from ...errors import DilationError
-from ..meet.rendezvous import registered_view, tell_end
+from ..meet.rendezvous import tell_end
+from ..meet.views import registered_view
 from ..rules.errors import (
     LaneLostError,
 )

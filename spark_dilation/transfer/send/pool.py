@@ -42,15 +42,13 @@ from ..meet.rendezvous import (
     DoorSpoiled,
     Paired,
     RendezvousCancelled,
-    SenderView,
     claim_door,
     close_wormhole,
     dilate_paired,
     lost_state,
-    registered_view,
-    sender_view,
     unreachable,
 )
+from ..meet.views import SenderView, registered_view, sender_view
 from ..rules.directory import Door
 from ..rules.errors import (
     InjectedFailure,

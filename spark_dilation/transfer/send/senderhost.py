@@ -43,7 +43,7 @@ from ...errors import DilationError, TransferError
 from ..link import LocalLink
 from ..machine import alive, atomic_write, owner_pid, private_dir, read_private, try_lock, watch
 from ..meet.hub import HUB_CONNECT
-from ..meet.rendezvous import sender_view
+from ..meet.views import sender_view
 from ..rules.errors import LinkError, ProtocolError, error_record
 from ..rules.protocol import CommittedPartition, lane_of
 from ..rules.report import path_of
