@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import os
 import threading
+from dataclasses import replace
 from pathlib import Path
 from typing import Any
 
@@ -22,7 +23,7 @@ from spark_dilation.transfer import machine as lifetime
 from spark_dilation.transfer.machine import try_lock
 from spark_dilation.transfer.receive.lane import LaneReceiver, LocalCauses
 from spark_dilation.transfer.receive.staging import LaneStaging, host_alive, take_lane_lock
-from spark_dilation.transfer.rules.errors import StagingError, TransferAbortedError
+from spark_dilation.transfer.rules.errors import LaneIdleError, StagingError, TransferAbortedError
 from spark_dilation.transfer.rules.options import TransferOptions
 from spark_dilation.transfer.rules.protocol import (
     TAG_ERROR,
@@ -290,3 +291,24 @@ def test_proc_locks_lines_name_the_files_held() -> None:
     assert not lifetime.held_in(table, os.makedev(0, 0x2D), 77)
     assert not lifetime.held_in(table, os.makedev(0, 0x2D), 78)
     assert not lifetime.held_in(table, os.makedev(0, 0x2E), 79)
+
+
+@pytest.mark.parametrize("stranded", ["door", "directory link"])
+def test_an_idle_lane_names_a_server_that_lost_its_state(tmp_path: Path, stranded: str) -> None:
+    """No sender ever came because the mailbox server lost its state meanwhile (a
+    restart without its database stranded a door's meeting, or this process's
+    directory link): the lane's idle_timeout error says so, not only "heard nothing"."""
+    from types import SimpleNamespace
+
+    from spark_dilation.transfer.rules.directory import Door
+
+    receiver, _, _ = lane(tmp_path)
+    receiver.spec = replace(receiver.spec, options=receiver.spec.options.with_(idle_timeout=0.3))
+    if stranded == "door":
+        receiver._waiting[Door(0, 0, 0, 0)] = SimpleNamespace(server_lost_state=True)
+    else:
+        receiver._senders.link_lost_state = lambda: "; the mailbox server lost its state"
+    error = receiver.wait_finished(timeout=10)
+    assert isinstance(error, LaneIdleError), error
+    assert "heard nothing from the sender" in str(error)
+    assert "lost its state" in str(error), error

@@ -214,6 +214,7 @@ def receive_agreed(
         on_spoiled=senders.spoil,
     )
     senders.tell_spoiled = reading.report_spoiled
+    senders.link_lost_state = reading.link.lost_state
     reading.publish(dict.fromkeys(range(spec.lanes), 0))
     try:
         try:

@@ -146,6 +146,9 @@ class SenderSet:
         self._spoiled: _Growing[Door] = _Growing()
         # Our lanes' spoiled doors to the reading end (in-process, or the registry link).
         self.tell_spoiled: Callable[[set[Door]], None] = lambda _: None
+        # Why the reading end's directory link has not met, if the server lost its state
+        # (where the reading end runs in this process).
+        self.link_lost_state: Callable[[], str] = lambda: ""
 
     def add(self, senders: Iterable[int]) -> None:
         self._senders.add(senders)

@@ -52,7 +52,7 @@ import pyarrow.ipc as ipc
 from ...dilation.blocking import DilationClosed, DilationTimeout, SubchannelClosed
 from ...dilation.manager import DilationNoPath, DilationReconnectFailed
 from ...errors import DilationError, TransferError
-from ..meet.rendezvous import Paired, claim_door, dilate_paired
+from ..meet.rendezvous import Paired, claim_door, dilate_paired, lost_state
 from ..meet.views import sender_set
 from ..rules.directory import Door, LaneDoors
 from ..rules.endwait import EndWait
@@ -162,6 +162,7 @@ class LaneReceiver:
         self._door_threads: list[threading.Thread] = []
         self._senders = sender_set(spec.transfer_id)
         self._connections: list[Any] = []
+        self._waiting: dict[Door, Any] = {}  # door -> its wormhole while it waits (a thread each)
         # The lane's state (rules/states.py, LANE), changed by _apply alone, under
         # _cond; the cause it ended with, and its own first staging failure (disk
         # full, ...): every later stream and the manifest get that as "E".
@@ -420,10 +421,16 @@ class LaneReceiver:
                             f"lane {self.lane} heard nothing from the sender for {idle:g} s (no "
                             "new connection, no data, no final manifest). Check that the writer "
                             "is still running, or raise "
-                            f"{self.spec.options.spelled('idle_timeout')}"
+                            f"{self.spec.options.spelled('idle_timeout')}{self._lost_state()}"
                         ),
                     )
             return self.error
+
+    def _lost_state(self) -> str:
+        """Why no sender came, if the mailbox server lost its state meanwhile: a door's
+        meeting, or the directory link (this process's reading end), was stranded."""
+        doors = {lost_state(w) for w in list(self._waiting.values())} - {""}
+        return doors.pop() if doors else self._senders.link_lost_state()
 
     def _own_failure(self, e: StagingError) -> StagingError:
         """Keep the lane's first own failure; declare it before the senders hear of it."""
@@ -501,7 +508,11 @@ class LaneReceiver:
             what = f"sender {door.sender} of lane {self.lane}"
             try:
                 given_up = functools.partial(self._given_up, door)
-                outcome, got = claim_door(self.spec, door, ROLE_LANE, cancelled=given_up, what=what)
+                outcome, got = claim_door(
+                    self.spec, door, ROLE_LANE, cancelled=given_up, what=what,
+                    started=functools.partial(self._waiting.__setitem__, door),
+                )  # fmt: skip
+                self._waiting.pop(door, None)
                 conn = None
                 if outcome is Outcome.PAIRED:
                     try:

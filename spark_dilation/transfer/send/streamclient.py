@@ -90,6 +90,11 @@ def ensure_host(pairing_dir: Path, start: dict[str, Any]) -> Path:
             return directory
         error = _left_error(pairing_dir)
         if error is not None:
+            # The host ended with it (and removed its folder): leave nothing behind us
+            # either, the lock file and the folder this call made again (if empty).
+            for leave in (lambda: (directory / "launch.lock").unlink(), directory.rmdir):
+                with contextlib.suppress(OSError):
+                    leave()
             raise error
         token = secrets.token_bytes(32)
         atomic_write(directory / "token", token, mode=0o600)
